@@ -1,0 +1,97 @@
+"""Converters between ``transformers.LlamaForCausalLM`` and hf_depth's Pre-LN.
+
+Pre-LN uses Llama's module names, so the state dicts map one to one; what needs converting is the config
+(Llama keeps RoPE in ``rope_parameters``; hf_depth requires untied embeddings and no MLP bias).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from .models.modeling_depth import MODEL_CLASSES
+from .models.registry import DESIGNS
+
+
+def llama_config_to_pre_ln(config: LlamaConfig, **overrides):
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"`rope_parameters.rope_type` must be 'default' to convert, got {rope.get('rope_type')!r}")
+    if getattr(config, "tie_word_embeddings", False):
+        raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError("`mlp_bias` must be False: hf_depth's SwiGLU has no biases")
+    fields = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rms_norm_eps=config.rms_norm_eps,
+        initializer_range=config.initializer_range,
+        attention_bias=config.attention_bias,
+        attention_dropout=float(config.attention_dropout or 0.0),
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+    )
+    fields.update(overrides)
+    return DESIGNS["pre_ln"].config_class(**fields)
+
+
+def pre_ln_config_to_llama(config) -> LlamaConfig:
+    if config.design != "pre_ln" or config.scale_vector != "standard":
+        raise ValueError(
+            f"only design='pre_ln' with scale_vector='standard' is a Llama; got design={config.design!r}, "
+            f"scale_vector={config.scale_vector!r}"
+        )
+    return LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
+        rms_norm_eps=config.rms_norm_eps,
+        initializer_range=config.initializer_range,
+        attention_bias=config.attention_bias,
+        attention_dropout=config.attention_dropout,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def _check_keys(src: dict, dst_model: torch.nn.Module, what: str) -> None:
+    want = set(dst_model.state_dict())
+    have = set(src)
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        raise ValueError(f"cannot convert {what}: missing keys {missing[:8]}, unexpected keys {unexpected[:8]}")
+
+
+def llama_to_pre_ln(llama: LlamaForCausalLM):
+    """A ``PreLNForCausalLM`` computing the same function as ``llama`` (weights copied)."""
+    config = llama_config_to_pre_ln(llama.config)
+    model = MODEL_CLASSES["pre_ln"][1](config).to(llama.dtype)
+    sd = llama.state_dict()
+    _check_keys(sd, model, "LlamaForCausalLM -> hf_depth pre_ln")
+    model.load_state_dict(sd, strict=True)
+    return model
+
+
+def pre_ln_to_llama(model) -> LlamaForCausalLM:
+    """A ``LlamaForCausalLM`` computing the same function as an hf_depth Pre-LN model (weights copied)."""
+    llama = LlamaForCausalLM(pre_ln_config_to_llama(model.config)).to(model.dtype)
+    sd = model.state_dict()
+    _check_keys(sd, llama, "hf_depth pre_ln -> LlamaForCausalLM")
+    llama.load_state_dict(sd, strict=True)
+    return llama

@@ -1,0 +1,196 @@
+"""Configuration shared by every hf_depth design.
+
+One decoder (RoPE, RMSNorm eps 1e-6, SwiGLU with d_ff = ceil16(8d/3), untied embeddings, optional GQA)
+whose only varying part is how each sublayer reads from and writes to the residual stream. Every design
+subclasses :class:`DepthConfig` with its own ``model_type`` and fields, and validates them in
+``validate_design``. Every bad value raises a ``ValueError`` naming the field and what is allowed, when the
+config is built, not as a shape error deep in a forward pass.
+
+This file is copied next to the weights by ``save_pretrained`` (``trust_remote_code``): it imports only
+torch/transformers and siblings of this folder.
+"""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PretrainedConfig
+
+SCALE_VECTORS = ("standard", "none", "HG", "AP", "DP", "DNP", "OR", "ER")
+"""Components of ``scale_vector``; combine with ``+`` (e.g. ``"HG+DNP+OR"``). See ``norms.py``."""
+
+SCALE_VECTOR_PRESETS = {"best": "HG+DNP+OR"}
+
+
+def ceil16(x: float) -> int:
+    """Round up to a multiple of 16 (DepthBench's FFN width rule)."""
+    return int(16 * math.ceil(x / 16))
+
+
+def default_intermediate_size(hidden_size: int) -> int:
+    """SwiGLU width d_ff = ceil16(8d/3)."""
+    return ceil16(8 * hidden_size / 3)
+
+
+def _positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+
+
+def _non_negative(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"`{name}` must be a non-negative number, got {value!r}")
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}")
+
+
+def parse_scale_vector(value: str) -> tuple[str, ...]:
+    """Split ``"HG+DNP+OR"`` into its components and check them (raises ValueError naming the field)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"`scale_vector` must be a string such as 'standard' or 'HG+DNP+OR', got {value!r}")
+    value = SCALE_VECTOR_PRESETS.get(value, value)
+    parts = tuple(p.strip() for p in value.split("+"))
+    for p in parts:
+        if p not in SCALE_VECTORS:
+            raise ValueError(
+                f"`scale_vector` component {p!r} is unknown; allowed components are {list(SCALE_VECTORS)} "
+                f"(joined with '+') or a preset in {list(SCALE_VECTOR_PRESETS)}"
+            )
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"`scale_vector` repeats a component: {value!r}")
+    if len(parts) > 1 and ({"standard", "none"} & set(parts)):
+        raise ValueError(f"`scale_vector` 'standard' and 'none' cannot be combined with other components: {value!r}")
+    placements = [p for p in parts if p in ("AP", "DP", "DNP")]
+    if len(placements) > 1:
+        raise ValueError(f"`scale_vector` takes at most one placement of AP/DP/DNP, got {placements}")
+    reparams = [p for p in parts if p in ("OR", "ER")]
+    if len(reparams) > 1:
+        raise ValueError(f"`scale_vector` takes at most one reparameterization of OR/ER, got {reparams}")
+    return parts
+
+
+class DepthConfig(PretrainedConfig):
+    r"""Base configuration of every hf_depth design (the shared LLaMA-like decoder).
+
+    Args:
+        vocab_size: vocabulary size (DepthBench: 50280, the GPT-NeoX/OLMo tokenizer).
+        hidden_size: model width d.
+        intermediate_size: SwiGLU width; ``None`` means ceil16(8d/3).
+        num_hidden_layers: number of decoder blocks L (each has an attention and an FFN sublayer).
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (GQA); ``None`` means equal to the query heads (MHA).
+        head_dim: per-head width; ``None`` means hidden_size // num_attention_heads.
+        max_position_embeddings: longest sequence the RoPE tables are sized for (RoPE itself extrapolates).
+        rope_theta: RoPE base.
+        rms_norm_eps: epsilon of every RMSNorm (1e-6 as DepthBench).
+        initializer_range: std of the truncated-normal init of linear and embedding weights.
+        init_cutoff_factor: truncation of that init, in stds (DepthBench: 3).
+        scale_vector: the RMSNorm scale-vector variant, ``standard`` (Llama), ``none`` or a ``+``-joined
+            combination of HG, AP/DP/DNP, OR/ER (see ``norms.py``); ``best`` = ``HG+DNP+OR``.
+        attention_bias: biases on q/k/v/o (DepthBench: False).
+        attention_dropout: dropout on attention probabilities.
+        tie_word_embeddings: must stay False (DepthBench uses untied embeddings).
+    """
+
+    model_type = "hf_depth"
+    design = "base"  # class attribute (not a field): the registry name of the design
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]
+    _auto_class = "AutoConfig"  # save_pretrained copies this file (and its siblings) for trust_remote_code
+
+    vocab_size: int = 50280
+    hidden_size: int = 1024
+    intermediate_size: int | None = None
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    initializer_range: float = 0.02
+    init_cutoff_factor: float = 3.0
+    scale_vector: str = "standard"
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    hidden_act: str = "silu"
+    use_cache: bool = True
+    pad_token_id: int | None = 1
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = 50279
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        if self.intermediate_size is None and isinstance(self.hidden_size, int):
+            self.intermediate_size = default_intermediate_size(self.hidden_size)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int):
+            if self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+                self.head_dim = self.hidden_size // self.num_attention_heads
+        super().__post_init__(**kwargs)
+        self.validate_depth_config()
+
+    # ------------------------------------------------------------------ validation
+    def validate_architecture(self):  # called by transformers' strict validation too
+        self.validate_depth_config()
+
+    def validate_depth_config(self) -> None:
+        """Check every shared field, then the design's own (``validate_design``)."""
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            _positive_int(name, getattr(self, name))
+        if self.hidden_size % self.num_attention_heads != 0 and self.head_dim is None:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads}), or give `head_dim` explicitly"
+            )
+        _positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"`head_dim` must be even for RoPE, got {self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"`num_key_value_heads` ({self.num_key_value_heads}) must divide `num_attention_heads` "
+                f"({self.num_attention_heads}); allowed values: "
+                f"{[k for k in range(1, self.num_attention_heads + 1) if self.num_attention_heads % k == 0]}"
+            )
+        if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
+            raise ValueError(f"`rope_theta` must be a positive number, got {self.rope_theta!r}")
+        if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
+            raise ValueError(f"`rms_norm_eps` must be in (0, 1), got {self.rms_norm_eps!r}")
+        _non_negative("initializer_range", self.initializer_range)
+        if not isinstance(self.init_cutoff_factor, (int, float)) or self.init_cutoff_factor <= 0:
+            raise ValueError(f"`init_cutoff_factor` must be a positive number, got {self.init_cutoff_factor!r}")
+        if not isinstance(self.attention_dropout, (int, float)) or not 0 <= self.attention_dropout < 1:
+            raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}")
+        _choice("hidden_act", self.hidden_act, ("silu",))
+        if self.tie_word_embeddings:
+            raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings (DepthBench)")
+        parse_scale_vector(self.scale_vector)
+        for name in ("pad_token_id", "bos_token_id"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or not 0 <= v < self.vocab_size):
+                raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={self.vocab_size}), got {v!r}")
+        self.validate_design()
+
+    def validate_design(self) -> None:
+        """Hook for a design's own fields; raise ValueError naming the field and the allowed values."""
+
+    # ------------------------------------------------------------------ derived quantities
+    @property
+    def num_sublayers(self) -> int:
+        """S = 2L: every attention and every FFN counts as one sublayer."""
+        return 2 * self.num_hidden_layers
+
+    @property
+    def scale_vector_parts(self) -> tuple[str, ...]:
+        return parse_scale_vector(self.scale_vector)

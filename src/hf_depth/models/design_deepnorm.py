@@ -1,0 +1,83 @@
+"""DeepNorm (DepthBench ``deepnorm``), Post-LN with an up-weighted residual and a down-scaled init.
+
+    h <- LN_l(alpha * h + F_l(h)),      alpha = (2L)^(1/4)           (decoder-only constants of DeepNet)
+    init: W_v, W_o and the three SwiGLU matrices scaled by beta = (8L)^(-1/4)   (DepthBench applies it to
+          w1, w2, w3; torchscale to fc1, fc2, v, o). q and k are untouched.
+
+The norm is a LayerNorm by default, as in DeepNet and DepthBench; ``deepnorm_norm="rms"`` selects RMSNorm.
+Extra parameters: the LayerNorm biases (d per sublayer). DepthBench's swept LR: 1e-3.
+"""
+
+from .configuration_depth import DepthConfig, _choice
+from .norms import make_norm, norm_param_count
+from .residual import Design, SublayerConnection
+
+_BETA_SCALED = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class DeepNormConfig(DepthConfig):
+    """DeepNorm decoder.
+
+    Args:
+        deepnorm_norm: ``"layer"`` (default, DepthBench / DeepNet) or ``"rms"``.
+        deepnorm_alpha: residual multiplier; ``None`` means (2L)^(1/4).
+        deepnorm_beta: init multiplier of W_v, W_o and the FFN; ``None`` means (8L)^(-1/4).
+    """
+
+    model_type = "hf_depth_deepnorm"
+    design = "deepnorm"
+
+    deepnorm_norm: str = "layer"
+    deepnorm_alpha: float | None = None
+    deepnorm_beta: float | None = None
+
+    def validate_design(self):
+        _choice("deepnorm_norm", self.deepnorm_norm, ("layer", "rms"))
+        for name in ("deepnorm_alpha", "deepnorm_beta"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"`{name}` must be None (paper value) or a positive number, got {v!r}")
+
+    @property
+    def norm_kind(self) -> str:
+        return self.deepnorm_norm
+
+    @property
+    def alpha(self) -> float:
+        return self.deepnorm_alpha if self.deepnorm_alpha is not None else (2 * self.num_hidden_layers) ** 0.25
+
+    @property
+    def beta(self) -> float:
+        return self.deepnorm_beta if self.deepnorm_beta is not None else (8 * self.num_hidden_layers) ** -0.25
+
+
+class DeepNormConnection(SublayerConnection):
+    def __init__(self, config, sublayer_idx):
+        super().__init__(config, sublayer_idx)
+        self.alpha = config.alpha
+        self.norm = make_norm(config, role="output")
+
+    def write(self, state, out):
+        return self.norm(self.alpha * state + out)
+
+    def extra_repr(self):
+        return f"alpha={self.alpha:.4f}"
+
+
+def deepnorm_init_scale(config, layer_idx, name):
+    return config.beta if name.split(".")[-1] in _BETA_SCALED else 1.0
+
+
+DESIGN = Design(
+    "deepnorm",
+    DeepNormConfig,
+    connection=DeepNormConnection,
+    input_norm=lambda config, s: None,
+    init_scale=deepnorm_init_scale,
+    # every norm (2L post-add + final) is of `deepnorm_norm` kind in place of Pre-LN's RMSNorms
+    extra_params=lambda config: (
+        (config.num_sublayers + 1) * (norm_param_count(config) - norm_param_count(config, kind="rms"))
+    ),
+    summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
+    paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",
+)

@@ -1,0 +1,40 @@
+"""LayerNorm-Scaling, LNS (DepthBench ``default_scaled``).
+
+    h <- h + F_l(N_l(h) / sqrt(l))     l = 1..L, the 1-based *block* index (attention and FFN share it).
+
+Extra parameters: none. The factor is a constant of the sublayer's position, kept as a Python float (not a
+buffer) so a layer-swap diagnostic that moves branch weights leaves it in place. DepthBench LR 1e-2.
+"""
+
+import math
+
+from .configuration_depth import DepthConfig
+from .residual import Design, SublayerConnection
+
+
+class LNSConfig(DepthConfig):
+    """LayerNorm-Scaling decoder: ``h <- h + F(N(h) / sqrt(block index))``."""
+
+    model_type = "hf_depth_lns"
+    design = "lns"
+
+
+class LNSConnection(SublayerConnection):
+    def __init__(self, config, sublayer_idx):
+        super().__init__(config, sublayer_idx)
+        self.scale = 1.0 / math.sqrt(sublayer_idx // 2 + 1)
+
+    def read(self, state, norm):
+        return norm(state) * self.scale
+
+    def extra_repr(self):
+        return f"scale={self.scale:.4f}"
+
+
+DESIGN = Design(
+    "lns",
+    LNSConfig,
+    connection=LNSConnection,
+    summary="h <- h + F(N(h) / sqrt(l))",
+    paper="Sun et al. 2025, The Curse of Depth in Large Language Models (arXiv 2502.05795)",
+)

@@ -1,0 +1,14 @@
+"""Every residual design, by name. Adding a design = one ``design_<name>.py`` file + one line here.
+
+(Each import is ``from .design_x import DESIGN as ...``: transformers' remote-code copier follows only that
+form of relative import when it copies this folder next to the weights.)
+"""
+
+from .design_deepnorm import DESIGN as DEEPNORM
+from .design_keel import DESIGN as KEEL
+from .design_lns import DESIGN as LNS
+from .design_post_ln import DESIGN as POST_LN
+from .design_pre_ln import DESIGN as PRE_LN
+from .design_sandwich import DESIGN as SANDWICH_LN
+
+DESIGNS = {d.name: d for d in (PRE_LN, POST_LN, SANDWICH_LN, LNS, DEEPNORM, KEEL)}

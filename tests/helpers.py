@@ -1,0 +1,29 @@
+"""Small shared helpers for the test-suite."""
+
+import torch
+
+import hf_depth
+
+TINY = dict(
+    vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+)
+
+
+def tiny_config(design: str, **kw):
+    return hf_depth.config_for(design, **{**TINY, **kw})
+
+
+def tiny_model(design: str, seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    return hf_depth.model_for(design, **{**TINY, **kw}).eval()
+
+
+def batch(vocab=97, b=3, t=9, seed=1, left_pad=(3, 1, 0)):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(2, vocab, (b, t), generator=g)
+    mask = torch.ones_like(x)
+    for i, p in enumerate(left_pad[:b]):
+        mask[i, :p] = 0
+        x[i, :p] = 0
+    return x, mask
