@@ -31,3 +31,118 @@ def add_rms_norm(
     """(residual + update, rms_norm(residual + update)): the fused Pre-LN step between two sublayers."""
     h = residual + update
     return h, rms_norm(h, weight, eps)
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMS normalization N̄(x) over the last dim (fp32 inside, input dtype out)."""
+    return rms_norm(x, None, eps)
+
+
+def rms_norm_multi(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float) -> list[torch.Tensor]:
+    """One normalization of x, several gamma-scaled outputs (the HG scale vectors): [w_i * N̄(x)]."""
+    h = rms(x, eps)
+    return [h if w is None else w * h for w in weights]
+
+
+# --------------------------------------------------------------------------- Hyper-Connections (HC)
+# Streams H: [..., n, d]. Width weights A: [..., n, n+1] (column 0 mixes the branch input, columns 1..n the
+# streams among themselves); depth weights beta: [..., n].
+
+
+def hc_coefficients(
+    H: torch.Tensor,
+    static_alpha: torch.Tensor,
+    dynamic_alpha: torch.Tensor,
+    alpha_scale: torch.Tensor,
+    static_beta: torch.Tensor,
+    dynamic_beta: torch.Tensor,
+    beta_scale: torch.Tensor,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic HC coefficients: A = A_static + s_a tanh(N̄(H) W_a), beta = B_static + s_b tanh(N̄(H) w_b).
+
+    Shapes: static_alpha [n, n+1], dynamic_alpha [d, n+1], static_beta [n], dynamic_beta [d], scales scalar.
+    Computed in fp32; returned in fp32.
+    """
+    Hn = rms(H.float(), eps)
+    A = static_alpha.float() + alpha_scale.float() * torch.tanh(Hn @ dynamic_alpha.float())
+    beta = static_beta.float() + beta_scale.float() * torch.tanh(Hn @ dynamic_beta.float())
+    return A, beta
+
+
+def hc_width(H: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Branch input x = sum_s A[s, 0] H_s, and mixed streams H'_t = sum_s A[s, t+1] H_s. Returns (x, H')."""
+    A = A.to(H.dtype)
+    x = torch.einsum("...s,...sd->...d", A[..., 0], H)
+    mixed = torch.einsum("...st,...sd->...td", A[..., 1:], H)
+    return x, mixed
+
+
+def hc_depth(mixed: torch.Tensor, beta: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Write the branch output into every stream: H'_t = mixed_t + beta_t * y."""
+    return mixed + beta.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
+
+
+# --------------------------------------------------------------------------- mHC
+def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """Log-domain Sinkhorn-Knopp in fp32: exp(logits) alternately row- then column-normalized ``iters`` times.
+
+    logits: [..., n, n]. After the last (column) step every column sums to 1 exactly; rows converge to 1.
+    """
+    z = logits.float()
+    for _ in range(iters):
+        z = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        z = z - torch.logsumexp(z, dim=-2, keepdim=True)
+    return z.exp()
+
+
+def mhc_coefficients(
+    H: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int = 20, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC routing (DeepSeek arXiv 2512.24880 Eqs. 7-9), fp32 inside.
+
+    H [..., n, d]; phi [n*d, n*n + 2n] in the order [pre | post | res]; alpha [3]; bias [n*n + 2n].
+    Returns H_pre = sigmoid [..., n], H_post = 2 sigmoid [..., n], H_res = Sinkhorn [..., n, n].
+    """
+    n = H.shape[-2]
+    x = H.flatten(-2).float()
+    inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    proj = (x @ phi.float()) * inv_r
+    a, b = alpha.float(), bias.float()
+    pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
+    post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
+    res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    return pre, post, sinkhorn(res_logits, iters)
+
+
+def mhc_width(H: torch.Tensor, pre: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = sum_s pre_s H_s and mixed_t = sum_s res[t, s] H_s (H_res applied from the left). Returns (x, mixed)."""
+    x = torch.einsum("...s,...sd->...d", pre.to(H.dtype), H)
+    mixed = torch.einsum("...ts,...sd->...td", res.to(H.dtype), H)
+    return x, mixed
+
+
+def mhc_depth(mixed: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """H'_t = mixed_t + post_t * y."""
+    return mixed + post.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
+
+
+# --------------------------------------------------------------------------- AttnRes
+def depth_softmax(
+    query: torch.Tensor, key_weight: torch.Tensor | None, sources: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over depth: p_s = softmax_s(<query, key_weight * N̄(v_s)>), out = sum_s p_s v_s.
+
+    query, key_weight: [d]; sources: [S, ..., d] (embedding and earlier sublayer outputs / block sums).
+    Keys are RMS-normalized, values are not; no 1/sqrt(d). Returns (out [..., d], weights [..., S]) with the
+    softmax in fp32.
+    """
+    keys = rms_norm(sources, key_weight, eps)
+    logits = (keys.float() * query.float()).sum(-1)
+    p = torch.softmax(logits, dim=0)
+    out = (p.unsqueeze(-1) * sources.float()).sum(0).to(sources.dtype)
+    return out, p.movedim(0, -1)
+
+
+#: every reference above, by name (``dispatch.py`` looks ops up here)
+REFERENCES = {k: v for k, v in dict(globals()).items() if callable(v) and getattr(v, "__module__", None) == __name__}

@@ -27,7 +27,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_depth import DepthConfig
-from .functional import swiglu
+from .dispatch import swiglu
 from .norms import ProjectionScales, RMSNorm, make_norm
 from .registry import DESIGNS
 from .residual import Design

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .functional import rms_norm
+from .dispatch import rms_norm
 
 NORM_ROLES = ("input", "output")
 

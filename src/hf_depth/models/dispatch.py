@@ -1,0 +1,88 @@
+"""Kernel dispatch: Triton on CUDA, the PyTorch reference (``functional.py``) elsewhere.
+
+``HF_DEPTH_KERNELS=torch|triton|auto`` (default ``auto``) overrides at run time; the choice is never stored in
+a config, so a checkpoint never decides whether Triton runs. ``hf_depth.kernels`` is imported lazily, on the
+first call that wants it, inside ``try`` (transformers' remote-code loader ignores such imports, so a saved
+folder still loads without the package and simply runs the references).
+
+Every op here has the signature of its reference in ``functional.py``; a model is numerically the same function
+either way (tested in tests/test_kernels_*.py under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .functional import REFERENCES
+
+MODES = ("auto", "torch", "triton")
+_KERNELS = None
+
+
+def mode() -> str:
+    m = os.environ.get("HF_DEPTH_KERNELS", "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"`HF_DEPTH_KERNELS` must be one of {list(MODES)}, got {m!r}")
+    return m
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            from hf_depth import kernels as k  # lazy: imports triton
+        except Exception:  # package or triton absent: references only
+            k = False
+        _KERNELS = k
+    return _KERNELS
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the Triton path serves tensors like ``x`` now."""
+    m = mode()
+    if m == "torch":
+        return False
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    ok = x.is_cuda or (m == "triton" and interpret)
+    if m == "triton":
+        if not ok:
+            raise RuntimeError("HF_DEPTH_KERNELS=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
+        if not _kernels():
+            raise RuntimeError("HF_DEPTH_KERNELS=triton but hf_depth.kernels / triton cannot be imported")
+        return True
+    return ok and bool(_kernels())
+
+
+def op(name: str):
+    """The implementation of ``name`` for tensors like the first argument: ``op("rms_norm")(x, w, eps)``."""
+    ref = REFERENCES[name]
+
+    def call(*args, **kwargs):
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is not None and use_triton(x):
+            fn = getattr(_kernels(), name, None)
+            if fn is not None:
+                return fn(*args, **kwargs)
+            if mode() == "triton":
+                raise RuntimeError(f"HF_DEPTH_KERNELS=triton but no Triton kernel implements {name!r}")
+        return ref(*args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = ref.__doc__
+    return call
+
+
+rms_norm = op("rms_norm")
+rms_norm_multi = op("rms_norm_multi")
+swiglu = op("swiglu")
+add_rms_norm = op("add_rms_norm")
+hc_coefficients = op("hc_coefficients")
+hc_width = op("hc_width")
+hc_depth = op("hc_depth")
+sinkhorn = op("sinkhorn")
+mhc_coefficients = op("mhc_coefficients")
+mhc_width = op("mhc_width")
+mhc_depth = op("mhc_depth")
+depth_softmax = op("depth_softmax")
