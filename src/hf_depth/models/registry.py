@@ -1,4 +1,4 @@
-"""Every residual design, by name. Adding a design = one ``design_<name>.py`` file + one line here.
+"""Every residual design, by name. Adding a design = one ``design_<name>.py`` file + one import line here.
 
 (Each import is ``from .design_x import DESIGN as ...``: transformers' remote-code copier follows only that
 form of relative import when it copies this folder next to the weights.)
@@ -11,4 +11,13 @@ from .design_post_ln import DESIGN as POST_LN
 from .design_pre_ln import DESIGN as PRE_LN
 from .design_sandwich import DESIGN as SANDWICH_LN
 
-DESIGNS = {d.name: d for d in (PRE_LN, POST_LN, SANDWICH_LN, LNS, DEEPNORM, KEEL)}
+DESIGNS = {}
+for _d in (
+    PRE_LN,
+    POST_LN,
+    SANDWICH_LN,
+    LNS,
+    DEEPNORM,
+    KEEL,
+):
+    DESIGNS[_d.name] = _d
