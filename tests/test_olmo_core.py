@@ -1,6 +1,7 @@
 """DepthBench / OLMo-core checkpoint converter: exact logits, refusals, round trips, CLI."""
 
 import json
+import math
 import os
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 import hf_depth
 from hf_depth import olmo_core
-from hf_depth.olmo_core import BLOCK_TYPES, hf_depth_to_olmo_core, olmo_core_to_hf_depth
+from hf_depth.olmo_core import hf_depth_to_olmo_core, olmo_core_to_hf_depth
 
 D, L, H, V, F = 32, 2, 4, 97, 96  # tiny: hidden 32, 2 blocks, 4 heads (head_dim 8), vocab 97, FFN 96
 FIELDS = dict(num_attention_heads=H, pad_token_id=1, eos_token_id=3)
@@ -98,8 +99,8 @@ def test_peri_norm_and_keel_hand_written_fixture():
             if not (block == "keel" and i == 0):  # KEEL block 0 has no post-attention norm
                 sd[f"blocks.{i}.post_attention_norm.weight"] = 1 + _t(D, seed=100 + i)
             sd[f"blocks.{i}.post_feed_forward_norm.weight"] = 1 + _t(D, seed=200 + i)
-        extra = (("post_attention_norm.weight", lambda ly: getattr(ly.attn_connection, conn).weight),
-                 ("post_feed_forward_norm.weight", lambda ly: getattr(ly.mlp_connection, conn).weight))
+        extra = (("post_attention_norm.weight", lambda ly, c=conn: getattr(ly.attn_connection, c).weight),
+                 ("post_feed_forward_norm.weight", lambda ly, c=conn: getattr(ly.mlp_connection, c).weight))
         conv = olmo_core_to_hf_depth(sd, block, **FIELDS)
         torch.testing.assert_close(_logits(conv), _logits(_direct(design, sd, extra)), rtol=0, atol=0)
 
@@ -168,30 +169,28 @@ def test_prefixes_and_lns_buffer():
 ROUND_TRIP = [
     ("default", {}), ("peri_norm", {}), ("default_scaled", {}), ("deepnorm", {}), ("keel", {}),
     ("hc", {}), ("mhc", {"mhc_backend": "liger_mhc"}), ("mhc", {"mhc_backend": "mhc"}),
-    ("mhc", {"mhc_backend": "mhc_static"}), ("attnres", {"attnres_block_size": 1}),
+    ("attnres", {"attnres_block_size": 1}),
     ("attnres", {"attnres_block_size": 2}), ("moda", {}),
 ]
 
 
 @pytest.mark.parametrize("block,kw", ROUND_TRIP, ids=[f"{b}-{'-'.join(map(str, k.values()))}" for b, k in ROUND_TRIP])
 def test_round_trip_identical_logits(block, kw):
-    design = BLOCK_TYPES[block]
-    _need(design)
     kw = dict(kw)
     backend = kw.pop("mhc_backend", None)
+    design = olmo_core._design_name(block, kw)
+    _need(design)
+    if design == "attnres":
+        kw.pop("attnres_block_size")
     cfg = {**FIELDS, **kw}
-    if design == "attnres" and "attnres_block_size" not in hf_depth.DESIGNS[design].config_class.__annotations__:
-        pytest.skip("hf_depth attnres has no `attnres_block_size` field on this branch")
     torch.manual_seed(0)
     model = _randomize(hf_depth.model_for(design, vocab_size=V, hidden_size=D, num_hidden_layers=L, **cfg).eval())
-    try:
-        sd = hf_depth_to_olmo_core(model, **({"mhc_backend": backend} if backend else {}))
-    except ValueError as e:
-        if backend and "mhc_backend" not in str(e):
-            pytest.skip(f"hf_depth mhc has no {backend} layout on this branch: {e}")
-        raise
+    sd = hf_depth_to_olmo_core(model, **({"mhc_backend": backend} if backend else {}))
     assert all(k.startswith(("embeddings.", "blocks.", "lm_head.", "res_")) for k in sd)
+    if design == "mhc":  # the routing fields follow the DepthBench backend by default: pin them to the model's
+        cfg.update(mhc_final_reduce=model.config.mhc_final_reduce, mhc_norm_eps=model.config.mhc_norm_eps)
     back = olmo_core_to_hf_depth(sd, block, mhc_backend=backend, **cfg)
+    assert back.config.design == design
     torch.testing.assert_close(_logits(back), _logits(model), rtol=0, atol=0)
     again = hf_depth_to_olmo_core(back, **({"mhc_backend": backend} if backend else {}))
     assert set(again) == set(sd) and all(torch.equal(again[k], sd[k]) for k in sd)
@@ -199,6 +198,8 @@ def test_round_trip_identical_logits(block, kw):
     k = sorted(sd)[len(sd) // 2]
     with pytest.raises(ValueError, match=k.replace(".", r"\.")):
         olmo_core_to_hf_depth({x: v for x, v in sd.items() if x != k}, block, mhc_backend=backend, **cfg)
+    with pytest.raises(ValueError, match=r"unmapped keys.*blocks\.0\.bogus"):
+        olmo_core_to_hf_depth({**sd, "blocks.0.bogus": torch.zeros(1)}, block, mhc_backend=backend, **cfg)
 
 
 def test_hc_branch_aliases_checked():
@@ -226,6 +227,51 @@ def test_mhc_torch_layout_transposes_h_res():
     bias = getattr(conn, olmo_core.MHC_NAMES["bias"])
     torch.testing.assert_close(sd["blocks.0.attention_hyper_connection.residual_bias"],
                                bias[2 * n:].reshape(n, n).T, rtol=0, atol=0)
+
+
+def _depthbench_sinkhorn(z, iters=20):
+    """DepthBench's ``sinkhorn_log`` (u/v potentials, marginals 1/n, times n), written from its source."""
+    n = z.shape[-1]
+    u, v = torch.zeros(n, dtype=z.dtype), torch.zeros(n, dtype=z.dtype)
+    for _ in range(iters):
+        u = -math.log(n) - torch.logsumexp(z + v[None, :], dim=-1)
+        v = -math.log(n) - torch.logsumexp(z + u[:, None], dim=-2)
+    return torch.exp(z + u[:, None] + v[None, :]) * n
+
+
+def test_mhc_static_maps_to_equal_routing_weights():
+    """``mhc_static``: H_pre = softmax, H_post = softmax, H_res = Sinkhorn, input independent; mixed_t = sum_s R[s,t]."""
+    _need("mhc")
+    torch.manual_seed(0)
+    model = _randomize(hf_depth.model_for("mhc", vocab_size=V, hidden_size=D, num_hidden_layers=L, **FIELDS).eval())
+    sd = {k: v for k, v in hf_depth_to_olmo_core(model).items() if "hyper_connection" not in k}
+    g, n = torch.Generator().manual_seed(5), 4
+    for i in range(L):
+        for s in ("attention", "feed_forward"):
+            p = f"blocks.{i}.{s}_hyper_connection."
+            sd[p + "H_pre_logits"] = torch.randn(n, generator=g)
+            sd[p + "H_post_logits"] = torch.randn(n, generator=g)
+            sd[p + "H_res_logits"] = torch.randn(n, n, generator=g)  # moderate logits: Sinkhorn converged
+    conv = olmo_core_to_hf_depth(sd, "mhc", **FIELDS)
+    assert conv.config.mhc_final_reduce == "sum_of_normed"
+    for i, layer in enumerate(conv.model.layers):
+        for s, conn in (("attention", layer.attn_connection), ("feed_forward", layer.mlp_connection)):
+            p = f"blocks.{i}.{s}_hyper_connection."
+            w = conn.static_weights()
+            torch.testing.assert_close(w["pre"], torch.softmax(sd[p + "H_pre_logits"], -1), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(w["post"], torch.softmax(sd[p + "H_post_logits"], -1), rtol=1e-5, atol=1e-6)
+            # hf_depth's R[t, s] is DepthBench's R[s, t] (same up to Sinkhorn's 20-iteration residual)
+            torch.testing.assert_close(w["res"], _depthbench_sinkhorn(sd[p + "H_res_logits"].double()).T.float(),
+                                       rtol=1e-5, atol=1e-5)
+            assert torch.count_nonzero(getattr(conn, olmo_core.MHC_NAMES["phi"])) == 0
+    back = hf_depth_to_olmo_core(conv, mhc_backend="mhc_static")
+    for k, v in sd.items():
+        if k.endswith(("pre_logits", "post_logits")):  # logits are defined up to a shift: compare the softmax
+            torch.testing.assert_close(torch.softmax(back[k], -1), torch.softmax(v, -1), rtol=1e-5, atol=1e-6)
+        else:
+            torch.testing.assert_close(back[k], v, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="mhc_static"):  # a general mHC model has no static form: refused
+        hf_depth_to_olmo_core(model, mhc_backend="mhc_static")
 
 
 # ----------------------------------------------------------------------------------------------- files / CLI

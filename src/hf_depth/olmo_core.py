@@ -139,10 +139,9 @@ HC_NAMES = {  # DepthBench HyperConnection(kind="hc") -> hf_depth HC connection
     "dynamic_beta_proj": "dynamic_beta",
     "dynamic_beta_scale": "beta_scale",
 }
-MHC_NAMES = {"phi": "phi", "alpha": "alpha", "bias": "bias"}
-MHC_STATIC_NAMES = {"H_pre_logits": "static_pre", "H_post_logits": "static_post", "H_res_logits": "static_res"}
-ATTNRES_NAMES = {"query": "query", "key_norm": "key_norm.weight", "stream": "model.stream"}
-MODA_KV = "mlp.kv_proj.weight"
+MHC_NAMES = {"phi": "dynamic_phi", "alpha": "alpha_scale", "bias": "static_bias"}
+ATTNRES_NAMES = {"query": "aggregate.query", "key_norm": "aggregate.key_norm", "stream": "model.stream"}
+MODA_KV = "kv_proj.weight"  # on the decoder layer: model.layers.i.kv_proj.weight
 
 
 # ----------------------------------------------------------------------------------------------- rules
@@ -280,18 +279,47 @@ def _res_t(flat: torch.Tensor, n: int) -> torch.Tensor:
     return flat.unflatten(-1, (n, n)).transpose(-1, -2).flatten(-2)
 
 
-def _mhc_rules(olmo: str, hf: str, backend: str, n: int) -> list[Rule]:
+def _gates(ts):
+    return [torch.stack([t.reshape(()) for t in ts])]
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    return torch.log(p) - torch.log1p(-p)
+
+
+def _static_to_dynamic(n: int, d: int, tau: float):
+    """DepthBench ``mhc_static`` (softmax pre/post, Sinkhorn(res/tau), input independent) -> hf_depth's mHC form
+    with phi = 0: sigmoid(b_pre) = softmax(pre), 2 sigmoid(b_post) = softmax(post), b_res = (res / tau)^T."""
+
+    def to_hf(ts):
+        pre, post, res = (t.double() for t in ts)
+        b = torch.cat([_logit(torch.softmax(pre, -1)), _logit(torch.softmax(post, -1) / 2), (res / tau).T.flatten()])
+        phi = torch.zeros(n * d, n * n + 2 * n, dtype=ts[0].dtype)
+        return [phi, b.to(ts[0].dtype), torch.full((3,), 0.01, dtype=ts[0].dtype)]
+
+    def to_olmo(ts):
+        phi, b, _ = ts  # the gates multiply phi = 0: they carry no information here
+        pre, post = torch.sigmoid(b[:n].double()), 2 * torch.sigmoid(b[n : 2 * n].double())
+        if torch.count_nonzero(phi) or abs(float(pre.sum()) - 1) > 1e-5 or abs(float(post.sum()) - 1) > 1e-5:
+            raise ValueError(
+                "`mhc_backend`='mhc_static' cannot hold this model: it needs phi = 0 and read/write weights that "
+                f"sum to 1 (got sum(H_pre)={float(pre.sum()):.4f}, sum(H_post)={float(post.sum()):.4f}); "
+                "export with mhc_backend='liger_mhc' or 'mhc'"
+            )
+        res = b[2 * n :].unflatten(0, (n, n)).T * tau
+        return [torch.log(pre).to(b.dtype), torch.log(post).to(b.dtype), res]
+
+    return to_hf, to_olmo
+
+
+def _mhc_rules(olmo: str, hf: str, backend: str, n: int, d: int, tau: float = 1.0) -> list[Rule]:
     H = {k: f"{hf}.{v}" for k, v in MHC_NAMES.items()}
     if backend == "liger_mhc":
         return [
             _one(f"{olmo}.phi", H["phi"]),
             _one(f"{olmo}.b", H["bias"]),
-            Rule(
-                tuple(f"{olmo}.alpha_{p}" for p in ("pre", "post", "res")),
-                (H["alpha"],),
-                to_hf=lambda ts: [torch.stack([t.reshape(()) for t in ts])],
-                to_olmo=lambda ts: list(ts[0].unbind(0)),
-            ),
+            Rule(tuple(f"{olmo}.alpha_{p}" for p in ("pre", "post", "res")), (H["alpha"],), to_hf=_gates,
+                 to_olmo=lambda ts: list(ts[0].unbind(0))),
         ]
     if backend == "mhc":
         return [
@@ -307,23 +335,14 @@ def _mhc_rules(olmo: str, hf: str, backend: str, n: int) -> list[Rule]:
                 to_hf=lambda ts: [torch.cat([ts[0], ts[1], ts[2].transpose(0, 1).flatten()])],
                 to_olmo=lambda ts: [ts[0][:n], ts[0][n : 2 * n], ts[0][2 * n :].unflatten(0, (n, n)).transpose(0, 1)],
             ),
-            Rule(
-                tuple(f"{olmo}.{p}_gate" for p in ("pre", "post", "residual")),
-                (H["alpha"],),
-                to_hf=lambda ts: [torch.stack([t.reshape(()) for t in ts])],
-                to_olmo=lambda ts: list(ts[0].unbind(0)),
-            ),
+            Rule(tuple(f"{olmo}.{p}_gate" for p in ("pre", "post", "residual")), (H["alpha"],), to_hf=_gates,
+                 to_olmo=lambda ts: list(ts[0].unbind(0))),
         ]
     if backend == "mhc_static":
+        to_hf, to_olmo = _static_to_dynamic(n, d, tau)
         return [
-            _one(f"{olmo}.H_pre_logits", f"{hf}.{MHC_STATIC_NAMES['H_pre_logits']}"),
-            _one(f"{olmo}.H_post_logits", f"{hf}.{MHC_STATIC_NAMES['H_post_logits']}"),
-            _one(
-                f"{olmo}.H_res_logits",
-                f"{hf}.{MHC_STATIC_NAMES['H_res_logits']}",
-                to_hf=lambda ts: [ts[0].transpose(0, 1)],
-                to_olmo=lambda ts: [ts[0].transpose(0, 1)],
-            ),
+            Rule(tuple(f"{olmo}.H_{p}_logits" for p in ("pre", "post", "res")), (H["phi"], H["bias"], H["alpha"]),
+                 to_hf=to_hf, to_olmo=to_olmo)
         ]
     raise ValueError(f"`mhc_backend` must be one of {list(MHC_BACKENDS)}, got {backend!r}")
 
@@ -331,7 +350,7 @@ def _mhc_rules(olmo: str, hf: str, backend: str, n: int) -> list[Rule]:
 def _layer_mhc(config, i, opts):
     rules = _layer_default(config, i, opts)
     for olmo, hf in _hc_connections(i):
-        rules += _mhc_rules(olmo, hf, opts["mhc_backend"], opts["streams"])
+        rules += _mhc_rules(olmo, hf, opts["mhc_backend"], opts["streams"], config.hidden_size, opts["sinkhorn_tau"])
     return rules
 
 
@@ -347,7 +366,7 @@ def _attnres_query(olmo_prefix: str, hf_prefix: str, config) -> list[Rule]:
     return [
         _one(f"{olmo_prefix}_proj.weight", f"{hf_prefix}.{ATTNRES_NAMES['query']}", to_hf=_squeeze_row,
              to_olmo=_unsqueeze_row),
-        *_norm(f"{olmo_prefix}_norm", f"{hf_prefix}.{ATTNRES_NAMES['key_norm'].rsplit('.', 1)[0]}", config),
+        *_norm(f"{olmo_prefix}_norm", f"{hf_prefix}.{ATTNRES_NAMES['key_norm']}", config),
     ]
 
 
@@ -381,6 +400,7 @@ TABLES: dict[str, tuple[Callable, Callable | None]] = {
     "hc": (_layer_hc, None),
     "mhc": (_layer_mhc, None),
     "attnres": (_layer_attnres, _model_attnres),
+    "block_attnres": (_layer_attnres, _model_attnres),
     "moda": (_layer_moda, None),
 }
 
@@ -458,7 +478,12 @@ def _strip(sd: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- config
-def _design_name(design: str) -> str:
+def _design_name(design: str, fields: dict | None = None) -> str:
+    """hf_depth design of a DepthBench block type; ``attnres`` with ``attnres_block_size`` S > 1 is Block AttnRes."""
+    fields = fields or {}
+    if design == "attnres":
+        size = fields.get("attnres_block_size")
+        return "block_attnres" if size is not None and size != 1 else "attnres"
     if design in BLOCK_TYPES:
         return BLOCK_TYPES[design]
     if design in DESIGNS:
@@ -524,9 +549,26 @@ def _detect_backend(sd: dict) -> str | None:
     return None
 
 
-def build_config(design: str, sd: dict, **fields):
+#: hf_depth mHC fields that follow DepthBench's backend unless given (final reduce, RMS eps of the routing)
+MHC_BACKEND_FIELDS = {
+    "liger_mhc": {"mhc_final_reduce": "mean_then_norm", "mhc_norm_eps": 1e-6},
+    "mhc": {"mhc_final_reduce": "sum_of_normed", "mhc_norm_eps": 1e-8},
+    "mhc_static": {"mhc_final_reduce": "sum_of_normed"},
+}
+
+
+def build_config(design: str, sd: dict, mhc_backend: str | None = None, **fields):
     """The hf_depth config of an OLMo-core state dict: shapes first, then ``fields`` (which win)."""
-    design = _design_name(design)
+    block = design
+    design = _design_name(design, fields)
+    if design not in DESIGNS:
+        raise ValueError(f"DepthBench block type {block!r} needs hf_depth design {design!r}, not registered here; "
+                         f"registered: {sorted(DESIGNS)}")
+    if design == "attnres":
+        fields = {k: v for k, v in fields.items() if k != "attnres_block_size"}  # Full AttnRes: S = 1
+    if design == "mhc":
+        backend = mhc_backend or _detect_backend(sd) or "liger_mhc"
+        fields = {**MHC_BACKEND_FIELDS.get(backend, {}), **fields}
     cls = DESIGNS[design].config_class
     inferred = infer_fields(sd, design, fields)
     streams = inferred.pop("_streams", None)
@@ -572,14 +614,20 @@ def _olmo_json_fields(cfg: dict) -> tuple[str | None, dict]:
     if block.get("attnres_block_size") is not None:
         extra["attnres_block_size"] = block["attnres_block_size"]
     hc = block.get("hyper_connections") or {}
-    if hc.get("kind") is not None:
+    if hc.get("kind") in MHC_BACKENDS:
         extra["mhc_backend"] = hc["kind"]
+    reduce = {"sum": "sum_of_normed", "mean": "mean_then_norm", "auto": "sum_of_normed"}.get(hc.get("reduce_mode"))
+    if reduce is not None:
+        extra["hc_final_reduce" if hc.get("kind") == "hc" else "mhc_final_reduce"] = reduce
+    if hc.get("sinkhorn_tau") is not None:
+        extra["sinkhorn_tau"] = float(hc["sinkhorn_tau"])
     name = block.get("name")
     return name, {**fields, **extra}
 
 
 # ----------------------------------------------------------------------------------------------- convert
-def _options(config, sd: dict | None, mhc_backend: str | None, fused_qkv: bool | None) -> dict:
+def _options(config, sd: dict | None, mhc_backend: str | None, fused_qkv: bool | None,
+             sinkhorn_tau: float = 1.0) -> dict:
     if fused_qkv is None:
         fused_qkv = sd is not None and any(k.endswith("attention.w_qkv.weight") for k in sd)
     if mhc_backend is None:
@@ -589,7 +637,8 @@ def _options(config, sd: dict | None, mhc_backend: str | None, fused_qkv: bool |
     streams = None
     for name in ("hc_streams", "mhc_streams", "num_streams", "hc_num_streams"):
         streams = streams or getattr(config, name, None)
-    return {"fused_qkv": bool(fused_qkv), "mhc_backend": mhc_backend, "streams": streams or 4}
+    return {"fused_qkv": bool(fused_qkv), "mhc_backend": mhc_backend, "streams": streams or 4,
+            "sinkhorn_tau": float(sinkhorn_tau)}
 
 
 def _keys_error(what: str, missing, unexpected) -> ValueError:
@@ -601,10 +650,11 @@ def _keys_error(what: str, missing, unexpected) -> ValueError:
     return ValueError(f"cannot convert {what}: " + "; ".join(parts) + " (no weight is dropped or invented)")
 
 
-def olmo_core_to_hf_state_dict(sd: dict, config, *, mhc_backend: str | None = None, fused_qkv: bool | None = None):
+def olmo_core_to_hf_state_dict(sd: dict, config, *, mhc_backend: str | None = None, fused_qkv: bool | None = None,
+                               sinkhorn_tau: float = 1.0):
     """Map an OLMo-core state dict to hf_depth names for ``config`` (refuses unmapped or missing keys)."""
     sd = _resolve_aliases(_strip(dict(sd)), config.design)
-    opts = _options(config, sd, mhc_backend, fused_qkv)
+    opts = _options(config, sd, mhc_backend, fused_qkv, sinkhorn_tau)
     rules = rules_for(config, opts)
     needed = {k for r in rules if not r.optional for k in r.olmo}
     known = {k for r in rules for k in r.olmo}
@@ -623,16 +673,19 @@ def olmo_core_to_hf_state_dict(sd: dict, config, *, mhc_backend: str | None = No
 
 
 def olmo_core_to_hf_depth(state_dict: dict, design: str, *, mhc_backend: str | None = None,
-                          fused_qkv: bool | None = None, dtype: torch.dtype | None = None, **config_fields):
+                          fused_qkv: bool | None = None, sinkhorn_tau: float = 1.0, dtype: torch.dtype | None = None,
+                          **config_fields):
     """Build the hf_depth causal LM of an OLMo-core / DepthBench state dict.
 
     ``design`` is a DepthBench block type (``default``, ``peri_norm``, ...) or an hf_depth design name;
     ``config_fields`` are hf_depth config fields (heads, RoPE theta, design fields); shapes supply the rest.
-    ``mhc_backend`` (``liger_mhc`` / ``mhc`` / ``mhc_static``) and ``fused_qkv`` are detected from the keys.
+    ``mhc_backend`` (``liger_mhc`` / ``mhc`` / ``mhc_static``) and ``fused_qkv`` are detected from the keys;
+    ``sinkhorn_tau`` is DepthBench's ``mhc_static`` Sinkhorn temperature (1.0 unless configured).
     """
     stripped = _strip(dict(state_dict))
-    config = build_config(design, stripped, **config_fields)
-    hf_sd = olmo_core_to_hf_state_dict(stripped, config, mhc_backend=mhc_backend, fused_qkv=fused_qkv)
+    config = build_config(design, stripped, mhc_backend=mhc_backend, **config_fields)
+    hf_sd = olmo_core_to_hf_state_dict(stripped, config, mhc_backend=mhc_backend, fused_qkv=fused_qkv,
+                                       sinkhorn_tau=sinkhorn_tau)
     model = MODEL_CLASSES[config.design][1](config)
     want = set(model.state_dict())
     missing, unexpected = want - set(hf_sd), set(hf_sd) - want
@@ -651,7 +704,7 @@ def olmo_core_to_hf_depth(state_dict: dict, design: str, *, mhc_backend: str | N
 
 
 def hf_depth_to_olmo_core(model, *, mhc_backend: str = "liger_mhc", fused_qkv: bool = False,
-                          hc_branch_aliases: bool = False) -> dict:
+                          hc_branch_aliases: bool = False, sinkhorn_tau: float = 1.0) -> dict:
     """The OLMo-core / DepthBench state dict of an hf_depth model (inverse of :func:`olmo_core_to_hf_depth`).
 
     ``hc_branch_aliases=True`` also writes the duplicated ``*_hyper_connection.branch.*`` keys that an
@@ -659,7 +712,7 @@ def hf_depth_to_olmo_core(model, *, mhc_backend: str = "liger_mhc", fused_qkv: b
     """
     config = model.config
     sd = model.state_dict()
-    rules = rules_for(config, _options(config, None, mhc_backend, fused_qkv))
+    rules = rules_for(config, _options(config, None, mhc_backend, fused_qkv, sinkhorn_tau))
     produced = {k for r in rules for k in r.hf}
     missing, unexpected = produced - set(sd), set(sd) - produced
     if missing or unexpected:
@@ -761,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(cfg_path) as f:
             block_name, fields = _olmo_json_fields(json.load(f))
     mhc_backend = a.mhc_backend or fields.pop("mhc_backend", None)
+    sinkhorn_tau = fields.pop("sinkhorn_tau", 1.0)
     if a.attnres_block_size is not None:
         fields["attnres_block_size"] = a.attnres_block_size
     for item in a.set:
@@ -771,12 +825,13 @@ def main(argv: list[str] | None = None) -> int:
     design = a.design or block_name
     if design is None:
         p.error("--design is required (no block name in a config JSON)")
-    if _design_name(design) != "attnres":
+    if design != "attnres" and _design_name(design, fields) != "block_attnres":
         fields.pop("attnres_block_size", None)
     sd = load_state_dict(a.src)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     try:
-        model = olmo_core_to_hf_depth(sd, design, mhc_backend=mhc_backend, dtype=dtype, **fields)
+        model = olmo_core_to_hf_depth(sd, design, mhc_backend=mhc_backend, sinkhorn_tau=sinkhorn_tau, dtype=dtype,
+                                      **fields)
     except ValueError as e:
         print(f"hf-depth convert-olmo-core: {e}", file=sys.stderr)
         return 2
