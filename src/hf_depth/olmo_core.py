@@ -62,33 +62,56 @@ Per design (DepthBench block type -> hf_depth design):
   twice: ``blocks.i.attention_hyper_connection.branch.{norm,attention}.*`` and
   ``blocks.i.feed_forward_hyper_connection.branch.{norm,feed_forward}.*`` are aliases of
   ``blocks.i.attention_norm`` / ``attention`` / ``feed_forward_norm`` / ``feed_forward``: they are checked equal
-  to the canonical key (refused otherwise) and written back on export.
-* ``mhc`` -> ``mhc``. hf_depth keeps one projection ``c.phi`` [n*d, 2n + n^2] in the order [pre | post | res]
-  (flattened streams stream-major: index ``s*d + j``), gates ``c.alpha`` [3] = (pre, post, res) and biases
-  ``c.bias`` [2n + n^2] (same order), with H_res applied from the left (``mixed_t = sum_s R[t, s] H_s``).
+  to the canonical key (refused otherwise) and written back on export (``hc_branch_aliases=True``).
+  Config: ``hc_streams`` from ``static_alpha``; ``hc_final_reduce="sum_of_normed"`` (DepthBench ``sum``).
+* ``mhc`` -> ``mhc``. hf_depth keeps one projection ``c.dynamic_phi`` [n*d, 2n + n^2] in the order
+  [pre | post | res] (flattened streams stream-major: index ``s*d + j``; res row-major), gates ``c.alpha_scale``
+  [3] = (pre, post, res) and biases ``c.static_bias`` [2n + n^2] (same order), with H_res applied from the left
+  (``mixed_t = sum_s R[t, s] H_s``).
 
-  - backend ``liger_mhc`` (the 400M launcher): ``phi`` [n*d, 2n+n^2] -> ``c.phi`` (bf16 in DepthBench, cast to
-    the model dtype); ``b`` -> ``c.bias``; ``alpha_pre, alpha_post, alpha_res`` (scalars) -> ``c.alpha`` (stacked).
+  - backend ``liger_mhc`` (the 400M launcher): ``phi`` [n*d, 2n+n^2] -> ``c.dynamic_phi`` (same layout: Liger
+    splits [pre | post | res] and applies H_res from the left; bf16 in DepthBench, cast to the model dtype);
+    ``b`` -> ``c.static_bias``; ``alpha_pre, alpha_post, alpha_res`` (scalars) -> ``c.alpha_scale`` (stacked).
+    Config: ``mhc_final_reduce="mean_then_norm"``, ``mhc_norm_eps=1e-6`` unless given.
   - backend ``mhc`` (pure torch): ``pre_dynamic_proj`` [n*d, n], ``post_dynamic_proj`` [n*d, n],
-    ``residual_dynamic_proj`` [n*d, n^2] -> ``c.phi`` (concatenated; the res columns are **transposed**
-    (s, t) -> (t, s) because DepthBench applies H_res as ``mixed_t = sum_s R[s, t] H_s``);
-    ``pre_bias`` [n], ``post_bias`` [n], ``residual_bias`` [n, n] (transposed, flattened) -> ``c.bias``;
-    ``pre_gate, post_gate, residual_gate`` -> ``c.alpha``.
+    ``residual_dynamic_proj`` [n*d, n^2] -> ``c.dynamic_phi`` (concatenated; the res columns are
+    **transposed** (s, t) -> (t, s) because DepthBench applies H_res as ``mixed_t = sum_s R[s, t] H_s``);
+    ``pre_bias`` [n], ``post_bias`` [n], ``residual_bias`` [n, n] (transposed, flattened) -> ``c.static_bias``;
+    ``pre_gate, post_gate, residual_gate`` -> ``c.alpha_scale``. Config: ``mhc_final_reduce="sum_of_normed"``,
+    ``mhc_norm_eps=1e-8`` (DepthBench's unweighted RMS) unless given.
   - backend ``mhc_static`` (input independent): ``H_pre_logits`` [n], ``H_post_logits`` [n], ``H_res_logits``
-    [n, n] -> ``c.static_pre``, ``c.static_post``, ``c.static_res`` (logits kept as logits; H_res transposed
-    as for ``mhc``).
-* ``attnres`` (``attnres_block_size`` S; S = 1 Full, S > 1 Block AttnRes) -> ``attnres``:
-  ``blocks.i.attn_res_proj.weight`` [1, d] (i > 0) -> ``layers.i.attn_connection.query`` [d] (row squeezed);
-  ``blocks.i.attn_res_norm.weight`` -> ``layers.i.attn_connection.key_norm.weight``;
-  ``blocks.i.mlp_res_proj.weight`` [1, d] -> ``layers.i.mlp_connection.query``;
-  ``blocks.i.mlp_res_norm.weight`` -> ``layers.i.mlp_connection.key_norm.weight``;
-  model level ``res_proj.weight`` [1, d] -> ``model.stream.query``, ``res_norm.weight`` ->
-  ``model.stream.key_norm.weight``. The pseudo-query is a logit form ``<w, g * N(v)>`` on both sides (no bias).
-  Input norms as ``default`` (DepthBench fuses them into the kernel as ``output_rms_weight``).
+    [n, n] -> the same function in hf_depth's form: ``c.dynamic_phi`` = 0, ``c.static_bias`` =
+    [logit(softmax(pre)), logit(softmax(post) / 2), (res / tau)^T], ``c.alpha_scale`` = 0.01 (multiplies
+    phi = 0). Export back needs phi = 0 and read/write weights summing to 1 (else refused); pre/post logits come
+    back shift-normalized (softmax-equal).
+
+  Transposing H_res reverses the order of Sinkhorn's row/column steps, so the mHC ``mhc`` / ``mhc_static``
+  H_res equals DepthBench's only up to DepthBench's own 20-iteration Sinkhorn residual (measured max |dR|:
+  2.5e-8 at the +-8 init, 3e-7 for N(0, 1) logits, 1e-2 for N(0, 4), 9e-2 for N(0, 64)).
+* ``attnres`` (``attnres_block_size`` S, in sublayers) -> ``attnres`` (S = 1, Full) or ``block_attnres``
+  (S > 1, ``attnres_block_size=S``; DepthBench's boundaries (2i) % S == 0 / (2i+1) % S == 0 are hf_depth's
+  s % S == 0): ``blocks.i.attn_res_proj.weight`` [1, d] (i > 0) -> ``layers.i.attn_connection.aggregate.query``
+  [d] (row squeezed); ``blocks.i.attn_res_norm.weight`` -> ``layers.i.attn_connection.aggregate.key_norm.weight``;
+  ``blocks.i.mlp_res_proj.weight`` [1, d] -> ``layers.i.mlp_connection.aggregate.query``;
+  ``blocks.i.mlp_res_norm.weight`` -> ``layers.i.mlp_connection.aggregate.key_norm.weight``; model level
+  ``res_proj.weight`` [1, d] -> ``model.stream.aggregate.query``, ``res_norm.weight`` ->
+  ``model.stream.aggregate.key_norm.weight``. Logit form ``<w, g * N(v)>`` on both sides (no bias, no 1/sqrt(d)).
+  Input norms as ``default`` (DepthBench passes them to the kernel as ``output_rms_weight``; the final one is
+  ``lm_head.norm``).
 * ``moda`` -> ``moda``: the block wraps attention and FFN, so the Llama keys gain a level:
   ``blocks.i.attention.attention.w_{q,k,v,out}`` and ``blocks.i.feed_forward.feed_forward.w{1,2,3}``;
   ``blocks.i.feed_forward.kv_proj.weight`` [2 * n_kv * hd, d] (rows [k | v]; absent in the last block) ->
-  ``layers.i.mlp.kv_proj.weight`` (same layout).
+  ``model.layers.i.kv_proj.weight`` (same layout).
+
+The converter maps parameters; it cannot change what a design computes. Differences between DepthBench's
+forward passes and hf_depth's, as stored (so a converted model matches only where both agree):
+
+* HC: one stored ``hyper_connections.py`` writes ``H' = A_r^T H + beta y`` (paper, = hf_depth); another,
+  ``H' = H + beta y`` (``A_r`` unused). Checkpoints of the second variant match only while ``A_r`` = I.
+* MoDA: DepthBench caches the depth key *before* RoPE and reads it with the rotated query; hf_depth rotates
+  depth keys at the token's own position (so ``q . K`` is the unrotated product).
+* mHC torch/static backends: the Sinkhorn residual above; Liger's Sinkhorn (exp + eps) vs hf_depth's log
+  domain: the same fixed point, 1e-6-level differences.
 
 Prefixes ``model.`` (trainer state), ``_orig_mod.`` (``torch.compile``) and ``_checkpoint_wrapped_module.``
 (activation checkpointing) are stripped on load. Tokenizer settings: DepthBench's GPT-NeoX/OLMo tokenizer,
