@@ -709,7 +709,17 @@ def olmo_core_to_hf_depth(state_dict: dict, design: str, *, mhc_backend: str | N
     config = build_config(design, stripped, mhc_backend=mhc_backend, **config_fields)
     hf_sd = olmo_core_to_hf_state_dict(stripped, config, mhc_backend=mhc_backend, fused_qkv=fused_qkv,
                                        sinkhorn_tau=sinkhorn_tau)
-    model = MODEL_CLASSES[config.design][1](config)
+    from transformers.initialization import no_init_weights
+
+    target = dtype or next(iter(hf_sd.values())).dtype
+    target = target if target.is_floating_point else torch.float32
+    previous = torch.get_default_dtype()
+    try:  # built directly in the target dtype, without the random init: every parameter is loaded below
+        torch.set_default_dtype(target)
+        with no_init_weights():
+            model = MODEL_CLASSES[config.design][1](config)
+    finally:
+        torch.set_default_dtype(previous)
     want = set(model.state_dict())
     missing, unexpected = want - set(hf_sd), set(hf_sd) - want
     if missing or unexpected:  # a table out of step with the design: say so, never load partially
@@ -718,9 +728,8 @@ def olmo_core_to_hf_depth(state_dict: dict, design: str, *, mhc_backend: str | N
     for k, v in hf_sd.items():
         if tuple(v.shape) != tuple(ref[k].shape):
             raise ValueError(f"shape mismatch for {k}: checkpoint {tuple(v.shape)} vs model {tuple(ref[k].shape)}")
-    target = dtype or next(iter(hf_sd.values())).dtype
     model.load_state_dict({k: v.to(ref[k].dtype) for k, v in hf_sd.items()}, strict=True)
-    model = model.to(target if target.is_floating_point else torch.float32)
+    model.config.dtype = target  # parameters are already in `target`; fp32 buffers (RoPE inv_freq) stay fp32
     gc = model.generation_config
     gc.eos_token_id, gc.pad_token_id = config.eos_token_id, config.pad_token_id
     return model.eval()
