@@ -116,7 +116,20 @@ def test_deepnorm_fixture_norms_are_post_add_layernorms():
     assert torch.equal(m.layers[1].attn_connection.norm.weight, sd["blocks.1.attention_norm.weight"])
     assert torch.equal(m.layers[1].mlp_connection.norm.bias, sd["blocks.1.feed_forward_norm.bias"])
     assert torch.equal(m.norm.bias, sd["lm_head.norm.bias"])
-    # a LayerNorm saved without bias converts with a zero bias (the same function)
+    assert conv.config.final_norm_kind == "layer"
+    # DepthBench's launcher: block LayerNorms, final RMSNorm (no lm_head.norm.bias) -> deepnorm_final_norm="rms"
+    del sd["lm_head.norm.bias"]
+    conv = olmo_core_to_hf_depth(sd, "deepnorm", **FIELDS)
+    assert conv.config.deepnorm_final_norm == "rms" and getattr(conv.model.norm, "bias", None) is None
+    direct = hf_depth.model_for("deepnorm", vocab_size=V, hidden_size=D, num_hidden_layers=L,
+                                deepnorm_final_norm="rms", **FIELDS).eval()
+    direct.load_state_dict(conv.state_dict())
+    final = direct.model.norm
+    h = torch.randn(3, D)
+    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + direct.config.rms_norm_eps) * sd["lm_head.norm.weight"]
+    torch.testing.assert_close(final(h), ref, rtol=1e-6, atol=1e-6)  # an RMSNorm, as DepthBench's lm_head.norm
+    torch.testing.assert_close(_logits(conv), _logits(direct), rtol=0, atol=0)
+    # a block LayerNorm saved without bias converts with a zero bias (the same function)
     for k in [k for k in sd if k.endswith("norm.bias")]:
         del sd[k]
     conv = olmo_core_to_hf_depth(sd, "deepnorm", **FIELDS)

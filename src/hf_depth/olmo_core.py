@@ -45,8 +45,10 @@ Per design (DepthBench block type -> hf_depth design):
   ``layers.i.mlp_connection.output_norm``.
 * ``deepnorm`` -> ``deepnorm``: DepthBench's DeepNorm block re-uses the input-norm modules as the post-add
   norms (``LN(alpha x + F(x))``): ``blocks.i.attention_norm.{weight,bias}`` -> ``layers.i.attn_connection.norm``,
-  ``blocks.i.feed_forward_norm.{weight,bias}`` -> ``layers.i.mlp_connection.norm`` (LayerNorm; a LayerNorm
-  saved without bias gets a zero bias, the same function).
+  ``blocks.i.feed_forward_norm.{weight,bias}`` -> ``layers.i.mlp_connection.norm`` (LayerNorm; a block LayerNorm
+  saved without bias gets a zero bias, the same function). ``examples/pretrain_deepnorm.py`` switches only the
+  *block* norms to LayerNorm, so ``lm_head.norm`` is an RMSNorm (weight only): the config gets
+  ``deepnorm_final_norm="rms"``; with ``lm_head.norm.bias`` present it stays a LayerNorm.
 * ``keel`` -> ``keel``: as ``default`` plus ``blocks.i.post_attention_norm`` (i > 0; block 0 has none, as in
   hf_depth) -> ``layers.i.attn_connection.post_norm``, ``blocks.i.post_feed_forward_norm`` ->
   ``layers.i.mlp_connection.post_norm``.
@@ -429,7 +431,11 @@ TABLES: dict[str, tuple[Callable, Callable | None]] = {
 
 
 def _final_norm(config, design: str) -> list[Rule]:
-    return _norm("lm_head.norm", "model.norm", config, layer_norm=getattr(config, "norm_kind", "rms") == "layer")
+    kind = getattr(config, "final_norm_kind", None) or getattr(config, "norm_kind", "rms")
+    if kind != "layer":
+        return _norm("lm_head.norm", "model.norm", config)
+    # a final LayerNorm must come with its bias: without one the checkpoint's final norm is an RMSNorm
+    return [_one("lm_head.norm.weight", "model.norm.weight"), _one("lm_head.norm.bias", "model.norm.bias")]
 
 
 def rules_for(config, options: dict) -> list[Rule]:
@@ -589,6 +595,9 @@ def build_config(design: str, sd: dict, mhc_backend: str | None = None, **fields
                          f"registered: {sorted(DESIGNS)}")
     if design == "attnres":
         fields = {k: v for k, v in fields.items() if k != "attnres_block_size"}  # Full AttnRes: S = 1
+    if design == "deepnorm" and "deepnorm_final_norm" in _fields_of(cls := DESIGNS[design].config_class):
+        # DepthBench's DeepNorm makes only the block norms LayerNorms: its final norm (no bias) is an RMSNorm
+        fields = {"deepnorm_final_norm": "layer" if "lm_head.norm.bias" in sd else "rms", **fields}
     if design == "mhc":
         backend = mhc_backend or _detect_backend(sd) or "liger_mhc"
         fields = {**MHC_BACKEND_FIELDS.get(backend, {}), **fields}
