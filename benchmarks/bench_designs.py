@@ -11,26 +11,20 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from _timing import best_time
 
 import hf_depth
 from hf_depth import shapes
 
 
 def fwd_bwd_time(model, x, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
+    def step():
         model.zero_grad(set_to_none=True)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        t = time.perf_counter()
         model(x, labels=x).loss.backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+
+    return best_time(step, x.device, repeats, warmup=0)
 
 
 def main(argv=None):
