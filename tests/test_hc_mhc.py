@@ -133,9 +133,10 @@ def test_mhc_res_doubly_stochastic(mhc_init, autocast):
 
 def test_sinkhorn_20_iterations_is_approximate_for_peaked_logits():
     """Columns are exact (the last step), rows converge with the iterations: 20 suffice for logits of spread
-    ~0.5 (rows within 1e-5), not for spread 2 (rows off by 2.7e-2 at 20, 1.6e-3 at 100, 3.6e-7 at 1000: measured)."""
+    ~0.5 (rows within 1e-5), not for spread 2 (rows off by 2.7e-2 at 20, 1.6e-3 at 100, 3.2e-5 at 300 and
+    3.6e-7 at 1000 iterations: measured on 1000 such matrices)."""
     z = 2.0 * torch.randn(200, 4, 4, generator=torch.Generator().manual_seed(0))
-    for iters, row_tol in ((20, None), (1000, 1e-5)):
+    for iters, row_tol in ((20, None), (300, 1e-4)):
         res = F.sinkhorn(z, iters)
         torch.testing.assert_close(res.sum(-2), torch.ones(200, 4), rtol=0, atol=1e-5)
         row_err = (res.sum(-1) - 1).abs().max()
@@ -192,7 +193,10 @@ def test_every_routing_parameter_has_a_role(design, kw):
         own = dict(conn.named_parameters())
         roles = conn.parameter_roles()
         assert set(roles) == set(own) and set(roles.values()) <= set(ROUTING_ROLES)
-        assert all(name.startswith(role.split("_")[1][:6]) or role == "routing_scale" for name, role in roles.items())
+        convention = {"routing_static": "static_{}", "routing_dynamic": "dynamic_{}", "routing_scale": "{}_scale"}
+        for name, role in roles.items():  # the naming convention agrees with the declared role
+            prefix, suffix = convention[role].split("{}")
+            assert name.startswith(prefix) and name.endswith(suffix), (name, role)
         static += [own[n] for n, r in roles.items() if r == "routing_static"]
     expected = 4 if design == "hc" else 2  # static_alpha + static_beta (HC) / static_bias (mHC), per block (x2)
     assert len(static) == expected * model.config.num_hidden_layers
