@@ -14,7 +14,7 @@ import importlib
 
 import triton  # noqa: F401  (fail here, at import, when Triton is absent: dispatch then uses the references)
 
-#: op name -> module that implements it
+#: op name -> module ``<module>_op.py`` that implements it (the suffix keeps modules and functions apart)
 OPS = {
     "rms_norm": "rms_norm",
     "rms_norm_multi": "rms_norm",
@@ -36,6 +36,6 @@ __all__ = list(OPS)
 def __getattr__(name: str):
     if name not in OPS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    fn = getattr(importlib.import_module(f"{__name__}.{OPS[name]}"), name)
+    fn = getattr(importlib.import_module(f"{__name__}.{OPS[name]}_op"), name)
     globals()[name] = fn
     return fn

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._common import rows
-from .rms_norm import rms_norm_bwd, rms_norm_fwd  # noqa: F401  (registers the custom ops)
+from .rms_norm_op import rms_norm_bwd, rms_norm_fwd  # noqa: F401  (registers the custom ops)
 
 
 class _AddRMSNorm(torch.autograd.Function):

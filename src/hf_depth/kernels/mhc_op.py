@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .hc import mix_depth, mix_width
-from .sinkhorn import sinkhorn
+from .hc_op import mix_depth, mix_width
+from .sinkhorn_op import sinkhorn
 
 
 def mhc_coefficients(
