@@ -29,7 +29,7 @@ def _fwd(v_ptr, q_ptr, w_ptr, o_ptr, p_ptr, M, D, S, eps,
     if HAS_W:
         w = tl.load(w_ptr + c, mask=c < D, other=0.0).to(tl.float32)
     m = tl.full([BT], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BT], dtype=tl.float32)
+    den = tl.zeros([BT], dtype=tl.float32)
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for s in range(S):
         v = tl.load(v_ptr + s * M * D + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -42,13 +42,13 @@ def _fwd(v_ptr, q_ptr, w_ptr, o_ptr, p_ptr, M, D, S, eps,
         m_new = tl.maximum(m, z)
         scale = tl.exp(m - m_new)
         e = tl.exp(z - m_new)
-        l = l * scale + e
+        den = den * scale + e
         acc = acc * scale[:, None] + e[:, None] * v
         m = m_new
-    store(o_ptr + t[:, None] * D + c[None, :], acc / l[:, None], mask)
+    store(o_ptr + t[:, None] * D + c[None, :], acc / den[:, None], mask)
     for s in range(S):
         z = tl.load(p_ptr + t * S + s, mask=tm, other=0.0)
-        tl.store(p_ptr + t * S + s, tl.exp(z - m) / l, mask=tm)
+        tl.store(p_ptr + t * S + s, tl.exp(z - m) / den, mask=tm)
 
 
 @triton.jit

@@ -124,7 +124,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, *weights):
         # weight: the stacked [K, D] gammas (or None); *weights are the caller's tensors, only for their grads
-        shape, D = x.shape, x.shape[-1]
+        shape = x.shape
         k = len(weights)
         y, _, rstd = torch.ops.hf_depth.rms_norm_fwd(rows(x), None, weight, k, eps)
         ctx.save_for_backward(x, weight, rstd)
