@@ -59,7 +59,7 @@ def rnd(x, dtype: tl.constexpr):
     stores, so bf16 is rounded by hand; storing the result into a ``dtype`` pointer is then exact everywhere."""
     if dtype == tl.bfloat16:
         b = x.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16  # shifts, not a 0xFFFF0000 mask: that literal is int64
         return b.to(tl.float32, bitcast=True)
     elif dtype == tl.float16:
         return x.to(tl.float16).to(tl.float32)

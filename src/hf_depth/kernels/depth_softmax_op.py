@@ -31,8 +31,10 @@ def _fwd(v_ptr, q_ptr, w_ptr, o_ptr, p_ptr, M, D, S, eps,
     m = tl.full([BT], float("-inf"), dtype=tl.float32)
     den = tl.zeros([BT], dtype=tl.float32)
     acc = tl.zeros([BT, BD], dtype=tl.float32)
+    vp = v_ptr + t[:, None] * D + c[None, :]  # advanced by M * D per source: 64-bit pointer math (S M D > 2^31)
     for s in range(S):
-        v = tl.load(v_ptr + s * M * D + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(vp, mask=mask, other=0.0).to(tl.float32)
+        vp += M * D
         r = tl.math.rsqrt(tl.sum(v * v, axis=1) / D + eps)
         k = rnd(v * r[:, None], v_ptr.dtype.element_ty)
         if HAS_W:
@@ -71,9 +73,10 @@ def _bwd(do_ptr, dp_ptr, v_ptr, o_ptr, p_ptr, q_ptr, w_ptr, dv_ptr, dq_ptr, dw_p
         delta += tl.load(p_ptr + t * S + s, mask=tm, other=0.0) * tl.load(dp_ptr + t * S + s, mask=tm, other=0.0)
     dq = tl.zeros([BD], dtype=tl.float32)
     dw = tl.zeros([BD], dtype=tl.float32)
+    vp = v_ptr + t[:, None] * D + c[None, :]
+    dvp = dv_ptr + t[:, None] * D + c[None, :]
     for s in range(S):
-        off = s * M * D + t[:, None] * D + c[None, :]
-        v = tl.load(v_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(vp, mask=mask, other=0.0).to(tl.float32)
         p = tl.load(p_ptr + t * S + s, mask=tm, other=0.0)
         dz = p * (tl.load(dp_ptr + t * S + s, mask=tm, other=0.0) + tl.sum(do * v, axis=1) - delta)
         r = tl.math.rsqrt(tl.sum(v * v, axis=1) / D + eps)
@@ -86,7 +89,9 @@ def _bwd(do_ptr, dp_ptr, v_ptr, o_ptr, p_ptr, q_ptr, w_ptr, dv_ptr, dq_ptr, dw_p
             dq += tl.sum(dz[:, None] * n, axis=0)
         a = dz[:, None] * qw[None, :]
         dv = p[:, None] * do + r[:, None] * (a - hat * (tl.sum(a * hat, axis=1) / D)[:, None])
-        store(dv_ptr + off, dv, mask)
+        store(dvp, dv, mask)
+        vp += M * D
+        dvp += M * D
     tl.store(dq_ptr + pid * D + c, dq, mask=cm)
     if HAS_W:
         tl.store(dw_ptr + pid * D + c, dw, mask=cm)
