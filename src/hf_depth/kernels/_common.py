@@ -32,6 +32,12 @@ def rows_per_program(block_d: int, budget: int = 4096, cap: int = 64) -> int:
     return max(1, min(cap, budget // block_d))
 
 
+def programs(device: torch.device, blocks: int, per_sm: int = 4) -> int:
+    """Grid of a persistent kernel: a few programs per SM (4 in the interpreter), never more than the blocks."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return max(1, min(blocks, per_sm * sms))
+
+
 def warps(elements: int) -> int:
     return 4 if elements <= 2048 else (8 if elements <= 8192 else 16)
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new, pow2, register, rnd, store, warps
+from ._common import new, pow2, programs, register, rnd, store, warps
 
 
 @triton.jit
@@ -56,42 +56,45 @@ def _fwd(v_ptr, q_ptr, w_ptr, o_ptr, p_ptr, M, D, S, eps,
 @triton.jit
 def _bwd(do_ptr, dp_ptr, v_ptr, o_ptr, p_ptr, q_ptr, w_ptr, dv_ptr, dq_ptr, dw_ptr, M, D, S, eps,
          HAS_W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    # persistent: a few programs per SM stride over the token blocks, dq / dw partials stay in registers
     pid = tl.program_id(0)
-    t = pid * BT + tl.arange(0, BT)
     c = tl.arange(0, BD)
-    tm, cm = t < M, c < D
-    mask = tm[:, None] & cm[None, :]
+    cm = c < D
     q = tl.load(q_ptr + c, mask=cm, other=0.0).to(tl.float32)
     qw = q
     if HAS_W:
         w = tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
         qw = q * w
-    do = tl.load(do_ptr + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(do * o, axis=1)
-    for s in range(S):
-        delta += tl.load(p_ptr + t * S + s, mask=tm, other=0.0) * tl.load(dp_ptr + t * S + s, mask=tm, other=0.0)
     dq = tl.zeros([BD], dtype=tl.float32)
     dw = tl.zeros([BD], dtype=tl.float32)
-    vp = v_ptr + t[:, None] * D + c[None, :]
-    dvp = dv_ptr + t[:, None] * D + c[None, :]
-    for s in range(S):
-        v = tl.load(vp, mask=mask, other=0.0).to(tl.float32)
-        p = tl.load(p_ptr + t * S + s, mask=tm, other=0.0)
-        dz = p * (tl.load(dp_ptr + t * S + s, mask=tm, other=0.0) + tl.sum(do * v, axis=1) - delta)
-        r = tl.math.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-        hat = v * r[:, None]
-        n = rnd(hat, v_ptr.dtype.element_ty)
-        if HAS_W:
-            dq += tl.sum(dz[:, None] * rnd(n * w[None, :], w_ptr.dtype.element_ty), axis=0)
-            dw += tl.sum(dz[:, None] * n, axis=0) * q
-        else:
-            dq += tl.sum(dz[:, None] * n, axis=0)
-        a = dz[:, None] * qw[None, :]
-        dv = p[:, None] * do + r[:, None] * (a - hat * (tl.sum(a * hat, axis=1) / D)[:, None])
-        store(dvp, dv, mask)
-        vp += M * D
-        dvp += M * D
+    for blk in range(pid, tl.cdiv(M, BT), tl.num_programs(0)):
+        t = blk * BT + tl.arange(0, BT)
+        tm = t < M
+        mask = tm[:, None] & cm[None, :]
+        do = tl.load(do_ptr + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + t[:, None] * D + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        delta = tl.sum(do * o, axis=1)  # = sum_s p_s <do, v_s>: no first pass over the sources
+        for s in range(S):
+            delta += tl.load(p_ptr + t * S + s, mask=tm, other=0.0) * tl.load(dp_ptr + t * S + s, mask=tm, other=0.0)
+        vp = v_ptr + t[:, None] * D + c[None, :]  # advanced by M * D per source (64-bit pointer math)
+        dvp = dv_ptr + t[:, None] * D + c[None, :]
+        for s in range(S):
+            v = tl.load(vp, mask=mask, other=0.0).to(tl.float32)
+            p = tl.load(p_ptr + t * S + s, mask=tm, other=0.0)
+            dz = p * (tl.load(dp_ptr + t * S + s, mask=tm, other=0.0) + tl.sum(do * v, axis=1) - delta)
+            r = tl.math.rsqrt(tl.sum(v * v, axis=1) / D + eps)
+            hat = v * r[:, None]
+            n = rnd(hat, v_ptr.dtype.element_ty)
+            if HAS_W:
+                dq += tl.sum(dz[:, None] * rnd(n * w[None, :], w_ptr.dtype.element_ty), axis=0)
+                dw += tl.sum(dz[:, None] * n, axis=0) * q
+            else:
+                dq += tl.sum(dz[:, None] * n, axis=0)
+            a = dz[:, None] * qw[None, :]
+            dv = p[:, None] * do + r[:, None] * (a - hat * (tl.sum(a * hat, axis=1) / D)[:, None])
+            store(dvp, dv, mask)
+            vp += M * D
+            dvp += M * D
     tl.store(dq_ptr + pid * D + c, dq, mask=cm)
     if HAS_W:
         tl.store(dw_ptr + pid * D + c, dw, mask=cm)
@@ -131,7 +134,7 @@ def depth_softmax_bwd(dout: torch.Tensor, dp: torch.Tensor, query: torch.Tensor,
     """Returns (dsources, dquery fp32, dkey_weight fp32 or [0])."""
     S, M, D = sources.shape
     bt, bd = _blocks(D)
-    grid = triton.cdiv(M, bt)
+    grid = programs(sources.device, triton.cdiv(M, bt))
     dv = new(sources.shape, sources.dtype, sources.device)
     dq = new((grid, D), torch.float32, sources.device)
     has_w = key_weight is not None

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import new, pow2, register, rnd, rows, rows_per_program, store, warps
+from ._common import new, pow2, programs, register, rnd, rows, rows_per_program, store, warps
 
 
 @triton.jit
@@ -37,28 +37,35 @@ def _fwd(x_ptr, u_ptr, w_ptr, y_ptr, h_ptr, rstd_ptr, M, D, eps,
 
 @triton.jit
 def _bwd(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, M, D,
-         K: tl.constexpr, HAS_W: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+         K: tl.constexpr, KP: tl.constexpr, HAS_W: tl.constexpr, HAS_RES: tl.constexpr, BM: tl.constexpr,
+         BD: tl.constexpr):
+    # persistent: a few programs per SM stride over the row blocks and keep their dW partial in registers
     pid = tl.program_id(0)
-    r = pid * BM + tl.arange(0, BM)
     c = tl.arange(0, BD)
-    mask = (r[:, None] < M) & (c[None, :] < D)
-    offs = r[:, None] * D + c[None, :]
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + r, mask=r < M, other=0.0)
-    hat = h * rstd[:, None]
-    n = rnd(hat, h_ptr.dtype.element_ty)
-    g = tl.zeros([BM, BD], dtype=tl.float32)
-    for k in tl.static_range(K):
-        dy = tl.load(dy_ptr + k * M * D + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            g += dy * tl.load(w_ptr + k * D + c, mask=c < D, other=0.0).to(tl.float32)[None, :]
-            tl.store(dw_ptr + (pid * K + k) * D + c, tl.sum(dy * n, axis=0), mask=c < D)  # per-program partial
-        else:
-            g += dy
-    dx = rstd[:, None] * (g - hat * (tl.sum(g * hat, axis=1) / D)[:, None])
-    if HAS_RES:
-        dx += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    store(dx_ptr + offs, dx, mask)
+    kk = tl.arange(0, KP)
+    dw = tl.zeros([KP, BD], dtype=tl.float32)
+    for blk in range(pid, tl.cdiv(M, BM), tl.num_programs(0)):
+        r = blk * BM + tl.arange(0, BM)
+        mask = (r[:, None] < M) & (c[None, :] < D)
+        offs = r[:, None] * D + c[None, :]
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + r, mask=r < M, other=0.0)
+        hat = h * rstd[:, None]
+        n = rnd(hat, h_ptr.dtype.element_ty)
+        g = tl.zeros([BM, BD], dtype=tl.float32)
+        for k in tl.static_range(K):
+            dy = tl.load(dy_ptr + k * M * D + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                g += dy * tl.load(w_ptr + k * D + c, mask=c < D, other=0.0).to(tl.float32)[None, :]
+                dw += tl.where(kk[:, None] == k, tl.sum(dy * n, axis=0)[None, :], 0.0)
+            else:
+                g += dy
+        dx = rstd[:, None] * (g - hat * (tl.sum(g * hat, axis=1) / D)[:, None])
+        if HAS_RES:
+            dx += tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        store(dx_ptr + offs, dx, mask)
+    if HAS_W:  # one [K, D] fp32 partial per program, summed by PyTorch (deterministic, no atomics)
+        tl.store(dw_ptr + (pid * K + kk[:, None]) * D + c[None, :], dw, mask=(kk[:, None] < K) & (c[None, :] < D))
 
 
 def _blocks(D: int) -> tuple[int, int]:
@@ -104,11 +111,12 @@ def rms_norm_bwd(dy: torch.Tensor, dh: torch.Tensor | None, h: torch.Tensor, wei
     """dy: [k, M, D] grads of the outputs; dh: extra grad of h (add_rms_norm). Returns (dh_total, dw [k, D] fp32)."""
     k, M, D = dy.shape
     bm, bd = _blocks(D)
-    grid = triton.cdiv(M, bm)
+    grid = programs(h.device, triton.cdiv(M, bm))
     dx = new((M, D), h.dtype, h.device)
     part = new((grid, k, D), torch.float32, h.device) if weight is not None else h.new_empty(0, dtype=torch.float32)
     _bwd[(grid,)](dy, dh if dh is not None else dy, h, weight if weight is not None else h, rstd, dx, part, M, D,
-                  K=k, HAS_W=weight is not None, HAS_RES=dh is not None, BM=bm, BD=bd, num_warps=warps(bm * bd))
+                  K=k, KP=pow2(k), HAS_W=weight is not None, HAS_RES=dh is not None, BM=bm, BD=bd,
+                  num_warps=warps(bm * bd))
     return dx, (part.sum(0) if weight is not None else part)
 
 
