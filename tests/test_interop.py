@@ -8,12 +8,12 @@ import sys
 
 import pytest
 import torch
+from helpers import batch, tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, pipeline
 
 import hf_depth
 from hf_depth.tokenization import GPT2_VOCAB_SIZE, offline_gpt2_tokenizer
-from helpers import batch, tiny_model
 
 DESIGNS = sorted(hf_depth.DESIGNS)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

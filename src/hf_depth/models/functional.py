@@ -11,10 +11,15 @@ import torch
 import torch.nn.functional as F
 
 
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """Accumulation dtype: fp32 for 16/32-bit inputs, float64 kept (gradcheck runs the references in float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """y = weight * (x / rms(x)), normalized in fp32 and cast back before the weight (Llama order)."""
     dtype = x.dtype
-    h = x.float()
+    h = _acc(x)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = h.to(dtype)
     return h if weight is None else weight * h
@@ -62,11 +67,11 @@ def hc_coefficients(
     """Dynamic HC coefficients: A = A_static + s_a tanh(N̄(H) W_a), beta = B_static + s_b tanh(N̄(H) w_b).
 
     Shapes: static_alpha [n, n+1], dynamic_alpha [d, n+1], static_beta [n], dynamic_beta [d], scales scalar.
-    Computed in fp32; returned in fp32.
+    Computed in fp32 (float64 stays float64); returned in that dtype.
     """
-    Hn = rms(H.float(), eps)
-    A = static_alpha.float() + alpha_scale.float() * torch.tanh(Hn @ dynamic_alpha.float())
-    beta = static_beta.float() + beta_scale.float() * torch.tanh(Hn @ dynamic_beta.float())
+    Hn = rms(_acc(H), eps)
+    A = _acc(static_alpha) + _acc(alpha_scale) * torch.tanh(Hn @ _acc(dynamic_alpha))
+    beta = _acc(static_beta) + _acc(beta_scale) * torch.tanh(Hn @ _acc(dynamic_beta))
     return A, beta
 
 
@@ -89,7 +94,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 
     logits: [..., n, n]. After the last (column) step every column sums to 1 exactly; rows converge to 1.
     """
-    z = logits.float()
+    z = _acc(logits)
     for _ in range(iters):
         z = z - torch.logsumexp(z, dim=-1, keepdim=True)
         z = z - torch.logsumexp(z, dim=-2, keepdim=True)
@@ -105,10 +110,10 @@ def mhc_coefficients(
     Returns H_pre = sigmoid [..., n], H_post = 2 sigmoid [..., n], H_res = Sinkhorn [..., n, n].
     """
     n = H.shape[-2]
-    x = H.flatten(-2).float()
+    x = _acc(H.flatten(-2))
     inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    proj = (x @ phi.float()) * inv_r
-    a, b = alpha.float(), bias.float()
+    proj = (x @ _acc(phi)) * inv_r
+    a, b = _acc(alpha), _acc(bias)
     pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
     post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
     res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
@@ -145,4 +150,8 @@ def depth_softmax(
 
 
 #: every reference above, by name (``dispatch.py`` looks ops up here)
-REFERENCES = {k: v for k, v in dict(globals()).items() if callable(v) and getattr(v, "__module__", None) == __name__}
+REFERENCES = {
+    k: v
+    for k, v in dict(globals()).items()
+    if callable(v) and getattr(v, "__module__", None) == __name__ and not k.startswith("_")
+}

@@ -5,8 +5,10 @@ form of relative import when it copies this folder next to the weights.)
 """
 
 from .design_deepnorm import DESIGN as DEEPNORM
+from .design_hc import DESIGN as HC
 from .design_keel import DESIGN as KEEL
 from .design_lns import DESIGN as LNS
+from .design_mhc import DESIGN as MHC
 from .design_post_ln import DESIGN as POST_LN
 from .design_pre_ln import DESIGN as PRE_LN
 from .design_sandwich import DESIGN as SANDWICH_LN
@@ -19,5 +21,7 @@ for _d in (
     LNS,
     DEEPNORM,
     KEEL,
+    HC,
+    MHC,
 ):
     DESIGNS[_d.name] = _d
