@@ -43,7 +43,9 @@ class MoDAConfig(DepthConfig):
 
     def validate_design(self):
         if self.attention_dropout != 0:
-            raise ValueError(f"`attention_dropout` must be 0 for MoDA (no dropout in its softmax), got {self.attention_dropout!r}")
+            raise ValueError(
+                f"`attention_dropout` must be 0 for MoDA (no dropout in its softmax), got {self.attention_dropout!r}"
+            )
 
 
 class MoDAStream(ResidualStream):
