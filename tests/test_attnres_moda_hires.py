@@ -374,3 +374,13 @@ def test_attnres_extra_params_are_4Ld():
     for design in ("attnres", "block_attnres"):
         cfg = shapes.make_config(design, 1024, 24)
         assert shapes.count_params(cfg) - shapes.count_params(shapes.make_config("pre_ln", 1024, 24)) == 4 * 24 * 1024
+
+
+def test_moda_eager_and_sdpa_masks_agree():
+    x, mask = batch()
+    sdpa = tiny_model("moda", num_hidden_layers=3)
+    eager = tiny_model("moda", num_hidden_layers=3, attn_implementation="eager")
+    eager.load_state_dict(sdpa.state_dict())
+    assert eager.config._attn_implementation == "eager"
+    real = mask.bool()
+    torch.testing.assert_close(logits(eager, x, mask)[real], logits(sdpa, x, mask)[real], rtol=1e-5, atol=1e-5)
