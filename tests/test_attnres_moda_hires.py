@@ -384,3 +384,21 @@ def test_moda_eager_and_sdpa_masks_agree():
     assert eager.config._attn_implementation == "eager"
     real = mask.bool()
     torch.testing.assert_close(logits(eager, x, mask)[real], logits(sdpa, x, mask)[real], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("design", ["attnres", "block_attnres", "moda", "hires"])
+def test_bf16_autocast_training_step(design):
+    """fp32 parameters under bf16 autocast (the DepthBench recipe): sources/depth K/V of mixed dtypes."""
+    model = (
+        tiny_model(design, num_hidden_layers=3, hires_block_layers=1)
+        if design == "hires"
+        else tiny_model(design, num_hidden_layers=3)
+    )
+    model.train()
+    x, mask = batch()
+    ref = model(x, attention_mask=mask, labels=x).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, attention_mask=mask, labels=x).loss
+    loss.backward()
+    assert abs(loss.item() - ref.item()) < 0.02 * ref.item()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

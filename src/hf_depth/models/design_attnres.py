@@ -144,9 +144,9 @@ class AttnResConnection(SublayerConnection):
         return norm(self.aggregate(state))
 
     def write(self, state, out):
-        # the next sublayer commits the partial sum when it starts a block: out either joins the partial sum
-        # or opens a new one (S = 1: every output is its own source)
-        if self.has_partial and self.sublayer_idx % self.block_size != 0:
+        # a sublayer that starts a block opens a new partial sum (the previous one stays behind as a completed
+        # source); any other adds to the open one. S = 1: every output is its own source.
+        if self.sublayer_idx % self.block_size != 0:
             return (*state[:-1], state[-1] + out)
         return (*state, out)
 

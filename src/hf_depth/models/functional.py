@@ -168,6 +168,11 @@ def moda_attention(
     *same* token; mask: None (plain causal), bool [B, 1, T, Tk] (True = attend) or additive float;
     depth_mask: optional bool [D] (True = attend). Softmax in fp32 (float64 kept). Returns [B, T, H, hd].
     """
+    with torch.autocast(query.device.type, enabled=False):  # the fp32 math must stay fp32 under autocast
+        return _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask)
+
+
+def _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask):
     acc = _acc(query.dtype)
     n_rep = query.shape[1] // key.shape[1]
     low = torch.finfo(acc).min
