@@ -29,7 +29,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_depth import DepthConfig
 from .dispatch import swiglu
 from .norms import ProjectionScales, RMSNorm, make_norm
-from .registry import DESIGNS
 from .residual import Design
 
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -252,7 +251,8 @@ class DepthModel(DepthPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.stream = design.stream(config)
-        self.layers = nn.ModuleList(DepthDecoderLayer(config, i, design) for i in range(config.num_hidden_layers))
+        layer_class = design.layer_class or DepthDecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, i, design) for i in range(config.num_hidden_layers))
         # the final norm feeds the LM head: an Input-Norm (a design may pick its kind: DepthBench's DeepNorm keeps RMS)
         self.norm = make_norm(config, role="input", kind=getattr(config, "final_norm_kind", None))
         self.rotary_emb = DepthRotaryEmbedding(config)
@@ -422,6 +422,9 @@ def _class_prefix(config_class: type) -> str:
     name = config_class.__name__
     return name[: -len("Config")] if name.endswith("Config") else name
 
+
+# imported here, after the shared classes exist, so a design file may subclass them (MoDA's layer) without a cycle
+from .registry import DESIGNS  # noqa: E402
 
 MODEL_CLASSES: dict[str, tuple[type, type]] = {}
 for _design in DESIGNS.values():

@@ -74,7 +74,8 @@ class Design:
     init_scale: Callable | None = None
     #: parameters beyond a Pre-LN model of the same config: ``fn(config) -> int`` (exact; see ``hf_depth.shapes``)
     extra_params: Callable | None = None
-    #: optional replacements of the decoder layer / attention class (MoDA)
+    #: optional replacements of the decoder layer / attention class (MoDA): a class or a factory called as
+    #: ``layer_class(config, layer_idx, design)`` / ``attention_class(config, layer_idx)``
     layer_class: type | None = None
     attention_class: type | None = None
     summary: str = ""
