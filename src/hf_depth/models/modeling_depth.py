@@ -253,7 +253,7 @@ class DepthModel(DepthPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.stream = design.stream(config)
         self.layers = nn.ModuleList(DepthDecoderLayer(config, i, design) for i in range(config.num_hidden_layers))
-        self.norm = make_norm(config, role="input")  # the final norm feeds the LM head: an Input-Norm
+        self.norm = make_norm(config, role="input", final=True)  # feeds the LM head: an Input-Norm
         self.rotary_emb = DepthRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self._apply_init_scales()
