@@ -20,6 +20,9 @@ every residual design, which factors exist and how they are parameterized:
   (over ``head_dim``) for q, k and v -- on Q/K this is exactly QK-norm; v is normalized the same way, so
   each head's values have RMS |u| -- and over the whole ``intermediate_size`` for gate and up. u_c has one
   entry per output channel of W_c (``d_out``), as in DP, i.e. a per-head (not head-shared) QK-norm gamma.
+  The normalization removes the overall magnitude of the input side (the sublayer norm's gamma, or HG's
+  v_c): under DNP an OR/ER input-side scale is therefore direction-only (no beta, which would get exactly
+  zero gradient and, decayed by IWD with nothing pulling back, shrink towards the eps of the norm).
 * ``OR``       -- every gamma (norm weights and projection scales) is ``beta * alpha / rms(alpha)``: a scalar
   magnitude beta (init 1) and a direction alpha (init ones). With ``rms`` in place of ``||.||`` (the ``Norm``
   of RMSNorm) beta is the RMS of gamma, and gamma = 1 exactly at init.
@@ -75,7 +78,8 @@ def scale_vector_spec(config) -> dict:
 
     Keys: ``gammas`` (any scale vector at all), ``reparam`` (None, "OR" or "ER"), ``norm_input_gamma`` (the
     sublayer input norms keep a gamma), ``proj_input`` (per-projection input-side scales, HG),
-    ``proj_output`` (per-projection output-side scales, AP/DP/DNP), ``mid_norm`` (DNP's normalization).
+    ``proj_output`` (per-projection output-side scales, AP/DP/DNP), ``mid_norm`` (DNP's normalization),
+    ``input_magnitude`` (input-side OR/ER scales have a magnitude beta: not under DNP).
     """
     parts = set(config.scale_vector_parts)
     gammas = "none" not in parts
@@ -87,12 +91,13 @@ def scale_vector_spec(config) -> dict:
         "proj_input": "HG" in parts and placement != "AP",
         "proj_output": placement is not None,
         "mid_norm": placement == "DNP",
+        "input_magnitude": placement != "DNP",
     }
 
 
-def scale_param_count(config, n: int) -> int:
-    """Parameters of one scale vector of length ``n`` (``n`` plain; ``n + 1`` under OR / ER)."""
-    return n + 1 if scale_vector_spec(config)["reparam"] else n
+def scale_param_count(config, n: int, magnitude: bool = True) -> int:
+    """Parameters of one scale vector of length ``n`` (``n`` plain; ``n + 1`` under OR / ER with a magnitude)."""
+    return n + 1 if scale_vector_spec(config)["reparam"] and magnitude else n
 
 
 # --------------------------------------------------------------------------------- one scale vector
@@ -102,9 +107,10 @@ class ScaleVector(nn.Module):
     ``reparam=None`` stores ``weight`` (init 1); ``"OR"`` stores a direction ``alpha`` (init 1) and a scalar
     magnitude ``beta`` (init 1): gamma = beta * alpha / rms(alpha); ``"ER"`` stores ``alpha`` (init 0) and
     ``beta`` (init 0): gamma = exp(beta) * exp(alpha - mean(alpha)). In both, gamma = 1 exactly at init.
+    ``magnitude=False`` drops beta (direction only; DNP's input side, where the magnitude is normalized away).
     """
 
-    def __init__(self, dim: int, role: str = "input", reparam: str | None = None):
+    def __init__(self, dim: int, role: str = "input", reparam: str | None = None, magnitude: bool = True):
         super().__init__()
         _check_role(role)
         if reparam not in (None, "OR", "ER"):
@@ -115,41 +121,44 @@ class ScaleVector(nn.Module):
         else:
             start = 1.0 if reparam == "OR" else 0.0
             self.alpha = nn.Parameter(torch.full((dim,), start))
-            self.beta = nn.Parameter(torch.full((), start))
+            self.beta = nn.Parameter(torch.full((), start)) if magnitude else None
 
     def forward(self) -> torch.Tensor:
         if self.reparam is None:
             return self.weight
         if self.reparam == "OR":
             a = self.alpha
-            return self.beta * (a * torch.rsqrt(a.pow(2).mean().clamp_min(1e-12)))
-        return torch.exp(self.beta) * torch.exp(self.alpha - self.alpha.mean())
+            direction = a * torch.rsqrt(a.pow(2).mean().clamp_min(1e-12))
+            return direction if self.beta is None else self.beta * direction
+        direction = torch.exp(self.alpha - self.alpha.mean())
+        return direction if self.beta is None else torch.exp(self.beta) * direction
 
     def reset_design_parameters(self) -> None:
         if self.reparam is None:
             init.ones_(self.weight)
-        elif self.reparam == "OR":
-            init.ones_(self.alpha)
-            init.ones_(self.beta)
         else:
-            init.zeros_(self.alpha)
-            init.zeros_(self.beta)
+            fill = init.ones_ if self.reparam == "OR" else init.zeros_
+            fill(self.alpha)
+            if self.beta is not None:
+                fill(self.beta)
 
     def extra_repr(self) -> str:
-        return f"{self.dim}, role={self.role}, reparam={self.reparam}"
+        magnitude = "" if self.reparam is None or self.beta is not None else ", direction only"
+        return f"{self.dim}, role={self.role}, reparam={self.reparam}{magnitude}"
 
 
 # --------------------------------------------------------------------------------- norms
 class _ScaledNorm(nn.Module):
     """Shared part of the norms: a plain ``weight`` (Llama's state dict) or a reparameterized ``scale``."""
 
-    def __init__(self, dim: int, eps: float, role: str, elementwise_affine: bool, reparam: str | None):
+    def __init__(self, dim, eps, role, elementwise_affine: bool, reparam: str | None, magnitude: bool = True):
         super().__init__()
         _check_role(role)
         self.dim, self.eps, self.role = dim, eps, role
         plain = elementwise_affine and reparam is None
         self.weight = nn.Parameter(torch.ones(dim)) if plain else None
-        self.scale = ScaleVector(dim, role, reparam) if elementwise_affine and reparam is not None else None
+        reparam = reparam if elementwise_affine else None
+        self.scale = ScaleVector(dim, role, reparam, magnitude) if reparam is not None else None
 
     def gamma(self) -> torch.Tensor | None:
         """The effective scale vector (``None`` without one)."""
@@ -169,9 +178,9 @@ class RMSNorm(_ScaledNorm):
     """RMSNorm in Llama's cast order, with a learnable scale (``weight``, an OR/ER ``scale``, or none)."""
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, role: str = "input", elementwise_affine: bool = True, reparam=None
+        self, dim: int, eps: float = 1e-6, role: str = "input", elementwise_affine=True, reparam=None, magnitude=True
     ):
-        super().__init__(dim, eps, role, elementwise_affine, reparam)
+        super().__init__(dim, eps, role, elementwise_affine, reparam, magnitude)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.gamma(), self.eps)
@@ -184,9 +193,9 @@ class LayerNorm(_ScaledNorm):
     """
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, role: str = "output", elementwise_affine: bool = True, reparam=None
+        self, dim: int, eps: float = 1e-6, role: str = "output", elementwise_affine=True, reparam=None, magnitude=True
     ):
-        super().__init__(dim, eps, role, elementwise_affine, reparam)
+        super().__init__(dim, eps, role, elementwise_affine, reparam, magnitude)
         self.bias = nn.Parameter(torch.zeros(dim)) if elementwise_affine else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,11 +210,12 @@ class LayerNorm(_ScaledNorm):
             init.zeros_(self.bias)
 
 
-def _norm_has_gamma(config, role: str, final: bool) -> bool:
+def _norm_gamma(config, role: str, final: bool) -> tuple[bool, bool]:
+    """(has a gamma, the gamma has an OR/ER magnitude) for a norm of ``role``."""
     spec = scale_vector_spec(config)
     if role == "output" or final:
-        return spec["gammas"]
-    return spec["norm_input_gamma"]
+        return spec["gammas"], True
+    return spec["norm_input_gamma"], spec["input_magnitude"]
 
 
 def make_norm(
@@ -223,10 +233,10 @@ def make_norm(
     kind = kind or getattr(config, "norm_kind", "rms")
     if kind not in ("rms", "layer"):
         raise ValueError(f"`kind` must be one of ['rms', 'layer'], got {kind!r}")
-    affine = _norm_has_gamma(config, role, final)
+    affine, magnitude = _norm_gamma(config, role, final)
     reparam = scale_vector_spec(config)["reparam"]
     cls = LayerNorm if kind == "layer" else RMSNorm
-    return cls(dim, eps=config.rms_norm_eps, role=role, elementwise_affine=affine, reparam=reparam)
+    return cls(dim, config.rms_norm_eps, role, elementwise_affine=affine, reparam=reparam, magnitude=magnitude)
 
 
 def norm_param_count(
@@ -234,10 +244,11 @@ def norm_param_count(
 ) -> int:
     """Exact parameter count of ``make_norm(config, dim, role, kind, final)``."""
     dim = config.hidden_size if dim is None else dim
-    if not _norm_has_gamma(config, role, final):
+    affine, magnitude = _norm_gamma(config, role, final)
+    if not affine:
         return 0
     bias = dim if (kind or getattr(config, "norm_kind", "rms")) == "layer" else 0
-    return scale_param_count(config, dim) + bias
+    return scale_param_count(config, dim, magnitude) + bias
 
 
 # --------------------------------------------------------------------------------- projection scales
@@ -246,7 +257,7 @@ def projection_scales_param_count(config, projections: dict[str, tuple[int, int]
     spec = scale_vector_spec(config)
     total = 0
     for d_in, d_out in projections.values():
-        total += scale_param_count(config, d_in) if spec["proj_input"] else 0
+        total += scale_param_count(config, d_in, spec["input_magnitude"]) if spec["proj_input"] else 0
         total += scale_param_count(config, d_out) if spec["proj_output"] else 0
     return total
 
@@ -271,7 +282,7 @@ class ProjectionScales(nn.Module):
         self.has_inputs, self.has_outputs = spec["proj_input"], spec["proj_output"]
         for name, (d_in, d_out) in projections.items():
             if self.has_inputs:
-                setattr(self, f"{name}_in", ScaleVector(d_in, "input", spec["reparam"]))
+                setattr(self, f"{name}_in", ScaleVector(d_in, "input", spec["reparam"], spec["input_magnitude"]))
             if self.has_outputs:
                 setattr(self, f"{name}_out", ScaleVector(d_out, "output", spec["reparam"]))
 
