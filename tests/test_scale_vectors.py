@@ -5,6 +5,7 @@ import re
 
 import pytest
 import torch
+from helpers import TINY, batch, tiny_config, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -12,7 +13,6 @@ import hf_depth
 from hf_depth import shapes
 from hf_depth.models.norms import ProjectionScales, ScaleVector, parameter_roles
 from hf_depth.training.optim import POLICIES, build_param_groups, describe_param_groups, make_optimizer
-from helpers import TINY, batch, tiny_config, tiny_model
 
 DESIGNS = sorted(hf_depth.DESIGNS)
 #: every valid combination: standard, none, and HG x {-, AP, DP, DNP} x {-, OR, ER} (not all empty)
