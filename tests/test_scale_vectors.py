@@ -21,8 +21,8 @@ ALL_COMBOS = ["standard", "none"] + [
     for combo in itertools.product(("", "HG"), ("", "AP", "DP", "DNP"), ("", "OR", "ER"))
     if any(combo)
 ]
-#: trained on every design (one per component, the paper's best, and the heaviest mixes)
-TRAIN_COMBOS = ["standard", "none", "HG", "AP", "DP", "DNP", "OR", "ER", "best", "HG+DP+ER"]
+#: trained on Pre-LN: one per component, the paper's best and the heaviest mix (`standard` x every design: test_designs)
+TRAIN_COMBOS = ["none", "HG", "AP", "DP", "DNP", "OR", "ER", "best", "HG+DP+ER"]
 
 
 def built_count(config) -> int:
