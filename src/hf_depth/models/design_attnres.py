@@ -114,7 +114,8 @@ class DepthAggregation(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
-        self.key_norm = make_norm(config, role="input")  # its gamma folds into the query (a linear map)
+        # an Input-Norm (its gamma folds into the query) with one consumer: it keeps its gamma under HG/AP
+        self.key_norm = make_norm(config, role="input", final=True)
         self._last_weights: torch.Tensor | None = None
 
     def reset_design_parameters(self):
@@ -180,7 +181,7 @@ class AttnResStream(ResidualStream):
 
 def attnres_extra_params(config) -> int:
     """(2L - 1) sublayer aggregations + 1 final one, each a query (d) and a key norm: 4Ld with standard norms."""
-    return config.num_sublayers * (config.hidden_size + norm_param_count(config))
+    return config.num_sublayers * (config.hidden_size + norm_param_count(config, final=True))
 
 
 DESIGN = Design(

@@ -83,12 +83,12 @@ DESIGN = Design(
     connection=DeepNormConnection,
     input_norm=lambda config, s: None,
     init_scale=deepnorm_init_scale,
-    # the 2L post-add norms are of `deepnorm_norm` kind and the final one of `final_norm_kind`, in place of Pre-LN's
-    # RMSNorms
+    # 2L post-add Output-Norms of `deepnorm_norm` kind in place of Pre-LN's input RMSNorms; the final norm of
+    # `final_norm_kind`
     extra_params=lambda config: (
-        config.num_sublayers * (norm_param_count(config) - norm_param_count(config, kind="rms"))
-        + norm_param_count(config, kind=config.final_norm_kind)
-        - norm_param_count(config, kind="rms")
+        config.num_sublayers * (norm_param_count(config, role="output") - norm_param_count(config, kind="rms"))
+        + norm_param_count(config, kind=config.final_norm_kind, final=True)
+        - norm_param_count(config, kind="rms", final=True)
     ),
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",

@@ -178,7 +178,7 @@ class HiResStream(ResidualStream):
 
 def hires_extra_params(config) -> int:
     d, D = config.hidden_size, config.outer_size
-    per_boundary = 2 * D * d + norm_param_count(config, D)
+    per_boundary = 2 * D * d + norm_param_count(config, D, role="output")
     return config.num_boundaries * per_boundary + (D * d if config.hires_embed == "project" else 0)
 
 

@@ -254,7 +254,7 @@ class DepthModel(DepthPreTrainedModel):
         layer_class = design.layer_class or DepthDecoderLayer
         self.layers = nn.ModuleList(layer_class(config, i, design) for i in range(config.num_hidden_layers))
         # the final norm feeds the LM head: an Input-Norm (a design may pick its kind: DepthBench's DeepNorm keeps RMS)
-        self.norm = make_norm(config, role="input", kind=getattr(config, "final_norm_kind", None))
+        self.norm = make_norm(config, role="input", kind=getattr(config, "final_norm_kind", None), final=True)
         self.rotary_emb = DepthRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self._apply_init_scales()
