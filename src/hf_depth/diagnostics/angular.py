@@ -16,13 +16,13 @@ from .common import as_batches, forward_states, progress
 
 def angular_sums(states: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
     """Summed angular distance over the selected tokens for every (l, n): ``[L+1, L+1]`` (zeros where undefined)."""
-    u = torch.stack([h[tokens].float() for h in states])  # [L+1, N, d]
+    u = torch.stack([h[tokens].double() for h in states])  # [L+1, N, d]; fp64: arccos is steep near cos = 1
     u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30)
     k = len(states)
     out = torch.zeros(k, k, dtype=torch.float64)
     for n in range(1, k):
         cos = (u[: k - n] * u[n:]).sum(-1).clamp(-1.0, 1.0)  # [L+1-n, N]
-        out[: k - n, n] = (torch.arccos(cos) / torch.pi).sum(-1).double()
+        out[: k - n, n] = (torch.arccos(cos) / torch.pi).sum(-1)
     return out
 
 

@@ -19,7 +19,7 @@ THRESHOLD = 0.45
 
 @torch.no_grad()
 def causal_scores(model, batches, show_progress: bool = True) -> dict:
-    """Returns ``{"scores": [L, L] (NaN where l <= s), "skip_loss": [L], "loss": float}``.
+    """Returns ``{"scores": [L, L] (NaN where l <= s or Delta_l is 0), "skip_loss": [L], "loss": float}``.
 
     ``skip_loss[s]`` is the mean next-token loss with layer ``s`` skipped (the pruning curve).
     """
@@ -47,7 +47,8 @@ def causal_scores(model, batches, show_progress: bool = True) -> dict:
             next(it, None)
     scores = num / den.clamp_min(1e-30)[None, :]
     s_idx, l_idx = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
-    scores = scores.masked_fill(l_idx <= s_idx, float("nan")).float()
+    undefined = (l_idx <= s_idx) | (den == 0)[None, :]  # l <= s, or layer l never updates (0 / 0)
+    scores = scores.masked_fill(undefined, float("nan")).float()
     c = max(count, 1)
     return {"scores": scores, "skip_loss": (skip_loss / c).tolist(), "loss": base_loss / c}
 
@@ -64,7 +65,8 @@ def fraction_above(scores: torch.Tensor, threshold: float) -> float:
     if not pairs:
         return float("nan")
     vals = torch.tensor([float(scores[a, b]) for a, b in pairs])
-    return float((vals > threshold).float().mean())
+    vals = vals[~torch.isnan(vals)]  # undefined pairs (unswappable, or a layer that never updates) do not count
+    return float((vals > threshold).float().mean()) if vals.numel() else float("nan")
 
 
 def r_causal(scores: torch.Tensor, threshold: float = THRESHOLD) -> float:
