@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from helpers import batch, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 import hf_depth
@@ -13,7 +14,6 @@ from hf_depth.diagnostics.cli import main as diagnose
 from hf_depth.diagnostics.common import decoder_layers, swap_layers
 from hf_depth.diagnostics.data import load_calibration
 from hf_depth.diagnostics.report import headline, run_diagnostics
-from helpers import batch, tiny_model
 
 DESIGNS = sorted(hf_depth.DESIGNS)
 
@@ -283,8 +283,9 @@ def test_cli_writes_report_and_plots(design, tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     f.write_text("\n".join(json.dumps({"input_ids": torch.randint(2, 97, (12,), generator=g).tolist()}) for _ in range(4)))
     out = tmp_path / "out"
+    measure = ["--repeats", "1"] if design == "pre_ln" else ["--no-measure-cost"]  # timing runs once (slow on CPU)
     rc = diagnose([str(tmp_path / "m"), "--data", str(f), "--out", str(out), "--seq-len", "12", "--num-samples", "4",
-                   "--batch-size", "2", "--measure-seq-len", "8", "--flops-seq-len", "64", "--no-progress"])
+                   "--batch-size", "2", "--measure-seq-len", "8", "--flops-seq-len", "64", "--no-progress", *measure])
     assert rc == 0
     for name in ("report.json", "report.md", "angular.png", "causal.png", "permutation.png", "pruning_logit_lens.png",
                  "cost.png"):
@@ -292,5 +293,79 @@ def test_cli_writes_report_and_plots(design, tmp_path, capsys):
     rep = json.loads((out / "report.json").read_text())
     h = headline(rep)
     assert set(h) >= {"loss", "R_causal", "R_perm", "pruning_delta"} and len(h["pruning_delta"]) == 3
-    assert rep["cost"]["measured"]["forward"]["tokens_per_s"] > 0
+    assert rep["cost"]["prefill_flops"]["total_matmul"] > 0
+    if design == "pre_ln":
+        assert all(rep["cost"]["measured"][k]["tokens_per_s"] > 0 for k in ("forward", "forward_backward", "generate"))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["headline"]["R_perm"] == h["R_perm"]
+
+
+# ------------------------------------------------------------------ a constructed HC design (HC lives on another branch)
+def fake_hc_model(n=4, layers=3):
+    """A minimal dynamic-HC design built from ``functional.hc_*`` at its published init (one-hot read, A_r = I,
+    beta = 1, dynamic weights 0), exposing ``path_weights() -> {"A", "beta"}`` per token."""
+    from torch import nn
+
+    from hf_depth.models.design_pre_ln import PreLNConfig
+    from hf_depth.models.functional import hc_coefficients, hc_depth, hc_width
+    from hf_depth.models.modeling_depth import DepthForCausalLM, DepthModel
+    from hf_depth.models.residual import Design, ResidualStream, SublayerConnection
+
+    class FakeHCConfig(PreLNConfig):
+        model_type = "hf_depth_fake_hc"
+        design = "hc"
+
+    class Conn(SublayerConnection):
+        def __init__(self, config, s):
+            super().__init__(config, s)
+            d = config.hidden_size
+            A = torch.zeros(n, n + 1)
+            A[s % n, 0], A[:, 1:] = 1.0, torch.eye(n)
+            self.register_buffer("static_alpha", A)
+            self.register_buffer("static_beta", torch.ones(n))
+            self.dynamic_alpha = nn.Parameter(torch.zeros(d, n + 1))
+            self.dynamic_beta = nn.Parameter(torch.zeros(d))
+            self.register_buffer("scale", torch.tensor(0.01))
+
+        def read(self, state, norm):
+            A, beta = hc_coefficients(state, self.static_alpha, self.dynamic_alpha, self.scale, self.static_beta,
+                                      self.dynamic_beta, self.scale)
+            x, self._mixed = hc_width(state, A)
+            self._A, self._beta = A, beta
+            return norm(x)
+
+        def write(self, state, out):
+            return hc_depth(self._mixed, self._beta, out)
+
+        def path_weights(self):
+            return {"A": self._A, "beta": self._beta}
+
+    class Stream(ResidualStream):
+        def init(self, embeds):
+            return embeds.unsqueeze(-2).expand(*embeds.shape[:-1], n, embeds.shape[-1]).contiguous()
+
+        def collapse(self, state):
+            return state.mean(-2)
+
+    design = Design("hc", FakeHCConfig, connection=Conn, stream=Stream)
+    base = type("FakeHCModel", (DepthModel,), {"config_class": FakeHCConfig, "design": design})
+    lm = type("FakeHCForCausalLM", (DepthForCausalLM,), {"config_class": FakeHCConfig, "design": design,
+                                                         "base_model_class": base})
+    from helpers import TINY
+
+    torch.manual_seed(0)
+    return lm(FakeHCConfig(**{**TINY, "num_hidden_layers": layers}, attn_implementation="eager")).eval()
+
+
+def test_fake_hc_design_flops_paths_and_report():
+    model = fake_hc_model()
+    T, B = 16, 2
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(2, 97, (B, T)), use_cache=False)
+    f = cost.prefill_flops(model.config, T, model)
+    assert f["extra_matmul"] > 0 and f["total_matmul"] * B == pytest.approx(counter.get_total_flops(), rel=0.02)
+    rep = run_diagnostics(model, data(), measurements=("angular", "causal", "permutation", "paths"), show_progress=False)
+    assert rep["paths"]["kind"] == "transport"
+    assert rep["paths"]["erank_final"] == pytest.approx(4.0, abs=1e-4)  # A_r = I at init: full rank n
+    M = torch.tensor([[float("nan") if v is None else v for v in r] for r in rep["paths"]["matrix"]])
+    torch.testing.assert_close(M[:6], torch.tril(torch.ones(6, 7)), atol=1e-5, rtol=0)  # identical streams
+    assert rep["causal"]["scores"][0][1] is not None

@@ -32,6 +32,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--flops-seq-len", type=int, default=4096, help="T of the analytic prefill FLOPs (default 4096)")
     p.add_argument("--no-measure-cost", action="store_true", help="analytic cost only (no timing runs)")
     p.add_argument("--measure-seq-len", type=int, default=128, help="sequence length of the timing runs")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per cost measurement (median)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--no-progress", action="store_true")
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     device = next(model.parameters()).device
     batches = [b.to(device) for b in batches]
     report = run_diagnostics(model, batches, args.only, args.flops_seq_len, not args.no_measure_cost,
-                             args.measure_seq_len, show_progress=not args.no_progress)
+                             args.measure_seq_len, args.repeats, show_progress=not args.no_progress)
     report["args"] = {k: v for k, v in vars(args).items()}
     files = write_report(report, args.out)
     print(json.dumps({"headline": headline(report), "files": files, "seconds": report["timing_s"]["total"]},

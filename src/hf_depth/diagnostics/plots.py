@@ -106,3 +106,32 @@ def cost_bars(cost: dict, path, title="") -> str:
     ax.set_title(title or f"prefill FLOPs, {cost['design']}")
     ax.tick_params(axis="x", rotation=30)
     return _save(fig, path)
+
+
+def overview(report: dict, path) -> str:
+    """One figure with the four headline panels: angular heatmap, causal map, permutation map, pruning + lens."""
+    plt = _plt()
+    m = report["model"]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    if "angular" in report:
+        D = _tensor(report["angular"]["matrix"])
+        im = axes[0].imshow(D[:, 1:].T.numpy(), origin="lower", aspect="auto", cmap="viridis", vmin=0,
+                            extent=(-0.5, D.shape[0] - 0.5, 0.5, D.shape[0] - 0.5))
+        axes[0].set(xlabel="start layer l", ylabel="offset n", title="angular distance")
+        fig.colorbar(im, ax=axes[0])
+    for ax, key, sub, label in ((axes[1], "causal", "scores", "R_causal"), (axes[2], "permutation", "scores", "R_perm")):
+        if key in report:
+            im = ax.imshow(_tensor(report[key][sub]).numpy(), cmap="magma", aspect="auto")
+            r = report[key][label]
+            ax.set(title=f"{key} ({label} = {'n/a' if r is None else f'{r:.2f}'})", xlabel="layer", ylabel="layer")
+            fig.colorbar(im, ax=ax)
+    ax = axes[3]
+    if "pruning" in report:
+        ax.bar(range(len(report["pruning"]["delta"])), report["pruning"]["delta"], color="tab:blue", label="pruning dloss")
+    if "logit_lens" in report:
+        ax2 = ax.twinx()
+        ax2.plot(report["logit_lens"]["kl"], color="tab:red", marker=".", label="LogitLens KL")
+        ax2.set_ylabel("KL(p_final || p_l)", color="tab:red")
+    ax.set(xlabel="layer", ylabel="loss increase when removed", title="pruning / LogitLens")
+    fig.suptitle(f"{m['design']}  L={m['num_hidden_layers']}  d={m['hidden_size']}")
+    return _save(fig, path)

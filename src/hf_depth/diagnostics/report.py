@@ -18,7 +18,7 @@ MEASUREMENTS = ("angular", "causal", "pruning", "permutation", "logit_lens", "pa
 
 
 def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: int = 4096, measure_cost: bool = True,
-                    measure_seq_len: int = 128, show_progress: bool = True) -> dict:
+                    measure_seq_len: int = 128, repeats: int = 3, show_progress: bool = True) -> dict:
     """Every requested measurement; tensors are returned as nested lists (NaN -> None)."""
     unknown = set(measurements) - set(MEASUREMENTS)
     if unknown:
@@ -76,7 +76,7 @@ def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: in
         rep["paths"] = None if pw is None else {k: nan_to_none(v) for k, v in pw.items()}
     if "cost" in measurements:
         rep["cost"] = timed("cost", lambda: cost.system_cost(
-            model, flops_seq_len, measure=measure_cost, measure_seq_len=measure_seq_len))
+            model, flops_seq_len, measure=measure_cost, measure_seq_len=measure_seq_len, repeats=repeats))
     rep["timing_s"]["total"] = time.perf_counter() - t0
     return rep
 
@@ -162,6 +162,8 @@ def write_report(report: dict, out_dir) -> dict[str, str]:
             report.get("pruning"), (report.get("logit_lens") or {}).get("kl"), out / "pruning_logit_lens.png", title)
     if report.get("paths"):
         images["paths"] = plots.path_weights(report["paths"], out / "paths.png")
+    if {"angular", "causal", "permutation", "pruning"} & report.keys():
+        images["overview"] = plots.overview(report, out / "overview.png")
     if "cost" in report:
         images["cost"] = plots.cost_bars(report["cost"], out / "cost.png")
     _atomic_write(out / "report.json", json.dumps(nan_to_none(report), indent=1, allow_nan=False))
