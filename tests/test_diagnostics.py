@@ -133,6 +133,10 @@ def test_llama_gives_the_same_diagnostics_as_pre_ln():
             torch.tensor(b[key][sub])
         torch.testing.assert_close(ta, tb, rtol=1e-4, atol=1e-5, equal_nan=True)
     assert a["paths"] is None and b["paths"] is None  # implicit residual paths
+    llama.config._attn_implementation = "eager"
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        llama(input_ids=torch.randint(2, 97, (1, 12)), use_cache=False)
+    assert cost.prefill_flops(llama.config, 12, llama)["total_matmul"] == pytest.approx(counter.get_total_flops(), rel=0.02)
 
 
 def test_logit_lens_kl_is_zero_when_later_layers_are_dead():

@@ -119,11 +119,12 @@ def overview(report: dict, path) -> str:
                             extent=(-0.5, D.shape[0] - 0.5, 0.5, D.shape[0] - 0.5))
         axes[0].set(xlabel="start layer l", ylabel="offset n", title="angular distance")
         fig.colorbar(im, ax=axes[0])
-    for ax, key, sub, label in ((axes[1], "causal", "scores", "R_causal"), (axes[2], "permutation", "scores", "R_perm")):
+    for ax, key, label, ylab in ((axes[1], "causal", "R_causal", "skipped layer s"),
+                                 (axes[2], "permutation", "R_perm", "layer")):
         if key in report:
-            im = ax.imshow(_tensor(report[key][sub]).numpy(), cmap="magma", aspect="auto")
+            im = ax.imshow(_tensor(report[key]["scores"]).numpy(), cmap="magma", aspect="auto")
             r = report[key][label]
-            ax.set(title=f"{key} ({label} = {'n/a' if r is None else f'{r:.2f}'})", xlabel="layer", ylabel="layer")
+            ax.set(title=f"{key} ({label} = {'n/a' if r is None else f'{r:.2f}'})", xlabel="layer", ylabel=ylab)
             fig.colorbar(im, ax=ax)
     ax = axes[3]
     if "pruning" in report:
@@ -134,4 +135,5 @@ def overview(report: dict, path) -> str:
         ax2.set_ylabel("KL(p_final || p_l)", color="tab:red")
     ax.set(xlabel="layer", ylabel="loss increase when removed", title="pruning / LogitLens")
     fig.suptitle(f"{m['design']}  L={m['num_hidden_layers']}  d={m['hidden_size']}")
+    fig.subplots_adjust(wspace=0.5)
     return _save(fig, path)
