@@ -277,6 +277,8 @@ def test_calibration_data_is_seeded_and_padded(tmp_path):
     assert c[0].input_ids.shape == (4, 16) and bool(c[0].attention_mask.all())
     with pytest.raises(ValueError, match="--data"):
         load_calibration(str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError, match="cannot load the Hub dataset"):  # offline (conftest): a clear error
+        load_calibration("hf:HuggingFaceFW/fineweb-edu:sample-10BT:train", Tok())
 
 
 @pytest.mark.parametrize("design", DESIGNS)
