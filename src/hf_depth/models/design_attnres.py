@@ -122,7 +122,7 @@ class DepthAggregation(nn.Module):
         init.zeros_(self.query)  # the paper's init; survives every sweep (init.* skips loaded weights)
 
     def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        out, p = depth_softmax(self.query, self.key_norm.weight, torch.stack(sources), self.key_norm.eps)
+        out, p = depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.key_norm.eps)
         self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
         return out
 
