@@ -135,12 +135,14 @@ def test_uniform_path_weights_at_init(design):
     x, mask = batch()
     logits(model, x, mask)
     weights = model.model.residual_path_weights()
-    assert sorted(weights) == list(range(1, 6))  # sublayer 0 has a single source and no softmax
+    # sublayer 0 has a single source and no softmax; key 6 = 2L is the final aggregation
+    assert sorted(weights) == list(range(1, 7))
     for w in weights.values():
-        n = w["softmax"].numel()
-        torch.testing.assert_close(w["softmax"], torch.full((n,), 1.0 / n))
-    assert weights[5]["softmax"].numel() == (6 if design == "attnres" else 4)  # emb, 2 blocks, partial
-    final = model.model.stream.path_weights()["softmax"]
+        assert w["members"].shape == (w["weights"].numel(), 7) and (w["members"].sum(0) <= 1).all()
+        n = w["weights"].numel()
+        torch.testing.assert_close(w["weights"], torch.full((n,), 1.0 / n))
+    assert weights[5]["weights"].numel() == (6 if design == "attnres" else 4)  # emb, 2 blocks, partial
+    final = model.model.stream.path_weights()["weights"]
     assert final.numel() == (7 if design == "attnres" else 4)
 
 

@@ -87,7 +87,9 @@ def test_zero_branch_gives_zero_causal_score_and_no_pruning_loss(design):
     c = causal.causal_scores(model, data(), show_progress=False)
     assert float(c["scores"][1, 2]) == pytest.approx(0.0, abs=1e-6)
     assert float(c["scores"][0, 2]) > 1e-3  # a live layer's skip changes a later live update
-    assert design in ("deepnorm", "keel", "post_ln") or torch.isnan(c["scores"][0, 1])  # dead update: 0/0
+    # dead update: 0/0 -- except where the residual itself still moves (post-norms; mHC's Sinkhorn mixing keeps the
+    # stream mean only up to rounding, so the "dead" update is ~1e-8 and the ratio is finite)
+    assert design in ("deepnorm", "keel", "post_ln", "mhc") or torch.isnan(c["scores"][0, 1])
     assert torch.isnan(c["scores"][1, 1]) and torch.isnan(c["scores"][2, 0])
     pr = pruning.pruning_curve(model, data(), c["loss"], c["skip_loss"])
     assert pr["delta"][1] == pytest.approx(0.0, abs=1e-6)

@@ -10,6 +10,8 @@ after it). Recognized formats:
   ``"members": [K, S + 1]``: which base sources each aggregation source sums (column 0 = embedding, column
   ``i + 1`` = output of sublayer ``i``; Block AttnRes: a block sum has ones on its sublayers). Without
   ``members``, ``K == s + 1`` means Full AttnRes order ``[embedding, out_0, ..., out_{s-1}]``.
+* **hf_depth HC / mHC connections**: ``{"pre": [n], "res": [n, n], "post": [n]}`` (token means of the last
+  forward; ``static_*`` copies are ignored) = the canonical transport below.
 * **HC**: ``{"A": [..., n, n + 1], "beta": [..., n]}`` with ``x = sum_s A[s, 0] H_s`` and
   ``H'_t = sum_s A[s, t + 1] H_s + beta_t y`` (``functional.hc_width`` / ``hc_depth``).
 * **mHC**: ``{"H_pre": [..., n], "H_post": [..., n], "H_res": [..., n, n]}`` with ``x = H_pre . H`` and
@@ -50,6 +52,8 @@ def to_transport(w: dict) -> dict | None:
     """HC / mHC / canonical path weights -> ``{"read", "mix", "write"[, "init"]}``; None if not a transport."""
     if {"read", "mix", "write"} <= w.keys():
         return w
+    if {"pre", "res", "post"} <= w.keys():  # hf_depth's HC / mHC connections (token means of the last forward)
+        return {"read": w["pre"], "mix": w["res"], "write": w["post"]}
     if {"A", "beta"} <= w.keys():
         A = w["A"]
         return {"read": A[..., 0], "mix": A[..., 1:].transpose(-1, -2), "write": w["beta"]}

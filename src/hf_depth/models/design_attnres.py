@@ -127,7 +127,7 @@ class DepthAggregation(nn.Module):
         return out
 
     def path_weights(self) -> dict[str, torch.Tensor] | None:
-        return None if self._last_weights is None else {"softmax": self._last_weights}
+        return None if self._last_weights is None else {"weights": self._last_weights}
 
 
 class AttnResConnection(SublayerConnection):
@@ -138,6 +138,7 @@ class AttnResConnection(SublayerConnection):
         self.block_size = config.attnres_block_sublayers
         self.completed, self.has_partial = source_layout(config, sublayer_idx)
         self.aggregate = DepthAggregation(config) if sublayer_idx > 0 else None  # one source: no softmax
+        self.total = config.num_sublayers
 
     def read(self, state, norm):
         if self.aggregate is None:
@@ -152,7 +153,10 @@ class AttnResConnection(SublayerConnection):
         return (*state, out)
 
     def path_weights(self):
-        return None if self.aggregate is None else self.aggregate.path_weights()
+        """``{"weights": [K], "members": [K, 2L + 1]}`` (token-mean softmax of the last forward; which base
+        sources -- embedding, sublayer outputs -- each aggregated source sums), or None for sublayer 0."""
+        w = None if self.aggregate is None else self.aggregate.path_weights()
+        return None if w is None else {**w, "members": source_members(self.sublayer_idx, self.block_size, self.total)}
 
     def extra_repr(self):
         return f"sources={self.completed}{'+partial' if self.has_partial else ''}, block_size={self.block_size}"
@@ -165,6 +169,7 @@ class AttnResStream(ResidualStream):
     def __init__(self, config):
         super().__init__(config)
         self.aggregate = DepthAggregation(config)
+        self.block_size, self.total = config.attnres_block_sublayers, config.num_sublayers
 
     def init(self, embeds):
         return (embeds,)
@@ -176,7 +181,19 @@ class AttnResStream(ResidualStream):
         return norm(self.aggregate(state))
 
     def path_weights(self):
-        return self.aggregate.path_weights()
+        w = self.aggregate.path_weights()
+        return None if w is None else {**w, "members": source_members(self.total, self.block_size, self.total)}
+
+
+def source_members(s: int, block_size: int, total: int) -> torch.Tensor:
+    """[K, total + 1] 0/1 matrix: which base sources (column 0 = embedding, i + 1 = output of sublayer i) each of
+    the K sources read by sublayer ``s`` sums: the embedding, then groups of ``block_size`` consecutive outputs."""
+    groups = [list(range(g, min(g + block_size, s))) for g in range(0, s, block_size)]
+    m = torch.zeros(1 + len(groups), total + 1)
+    m[0, 0] = 1.0
+    for k, members in enumerate(groups, start=1):
+        m[k, [i + 1 for i in members]] = 1.0
+    return m
 
 
 def attnres_extra_params(config) -> int:

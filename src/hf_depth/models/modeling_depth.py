@@ -335,13 +335,17 @@ class DepthModel(DepthPreTrainedModel):
         return self.layers
 
     def residual_path_weights(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Explicit residual-path weights per sublayer index (empty for designs with implicit paths)."""
+        """Explicit residual-path weights per sublayer index (empty for designs with implicit paths); key 2L is the
+        final aggregation. Formats: see ``hf_depth.diagnostics.paths``."""
         out = {}
         for layer in self.layers:
             for conn in layer.connections():
                 w = conn.path_weights()
                 if w is not None:
                     out[conn.sublayer_idx] = w
+        final = self.stream.path_weights()
+        if final is not None:  # the final aggregation reads as sublayer 2L
+            out[self.config.num_sublayers] = final
         return out
 
 

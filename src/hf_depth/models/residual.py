@@ -59,6 +59,10 @@ class ResidualStream(nn.Module):
     def final(self, state, norm: nn.Module) -> torch.Tensor:
         return norm(self.collapse(state))
 
+    def path_weights(self) -> dict[str, torch.Tensor] | None:
+        """Explicit weights of the final aggregation (AttnRes), ``None`` if implicit."""
+        return None
+
 
 @dataclass(frozen=True)
 class Design:
