@@ -103,12 +103,10 @@ def _processes_of_uid(uid: int) -> list[int]:
             continue
         try:
             with open(f"/proc/{name}/status") as f:
-                for line in f:
-                    if line.startswith("Uid:"):
-                        if int(line.split()[1]) == uid:
-                            pids.append(int(name))
-                        break
-        except OSError:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(status["Uid"].split()[1]) == uid and not status["State"].strip().startswith("Z"):
+                pids.append(int(name))
+        except (OSError, KeyError, ValueError):
             continue
     return pids
 
@@ -120,7 +118,7 @@ def _processes_of_session(sid: int) -> list[int]:
             try:
                 with open(f"/proc/{name}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == sid or int(fields[2]) == sid:   # session or process group
+                if fields[0] != "Z" and sid in (int(fields[2]), int(fields[3])):   # process group or session
                     pids.append(int(name))
             except (OSError, IndexError, ValueError):
                 continue
