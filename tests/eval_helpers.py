@@ -7,7 +7,7 @@ import torch
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "evals"
 TINY_LM = dict(vocab_size=50257, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512)
+               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=2048)
 
 
 @functools.lru_cache(maxsize=1)

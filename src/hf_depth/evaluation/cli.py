@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     metadata = {"tokenizer": tok_path, "trust_remote_code": True}
     if args.data_dir:
         metadata["data_dir"] = str(Path(args.data_dir).resolve())
-    tm = TaskManager(include_path=args.include_path, metadata=metadata)
+    tm = TaskManager(include_path=args.include_path, include_defaults=False, metadata=metadata)
     try:
         results = simple_evaluate(
             model=lm, tasks=args.tasks.split(","), task_manager=tm, limit=args.limit, bootstrap_iters=0,

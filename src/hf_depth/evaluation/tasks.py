@@ -78,31 +78,38 @@ class Bench:
     def local_rows(self, path: Path, split: str) -> list[dict]:
         return _read_rows(path)
 
-    def load(self, path: str, split: str, name: str | None = None, data_dir: str | None = None, **metadata):
-        """lm-eval ``custom_dataset``: {split: Dataset} from the local folder if one is set, else the Hub."""
-        import datasets
-
+    def rows(self, path: str, split: str, name: str | None = None, data_dir: str | None = None) -> list[dict]:
+        """The split's documents: from the local folder if one is set, else from the Hub."""
         data_dir = os.environ.get(DATA_DIR_ENV) or data_dir
         if data_dir:
             found = [Path(data_dir) / f for f in self.local_files if (Path(data_dir) / f).exists()]
             if not found:
                 raise FileNotFoundError(f"{self.name}: none of {list(self.local_files)} in data dir {data_dir!r} "
                                         f"(set by ${DATA_DIR_ENV} or the `data_dir` metadata)")
-            rows = self.local_rows(found[0], split)
-            ds = datasets.Dataset.from_list(rows)
-        else:
-            ds = datasets.load_dataset(path, name, split=split)
-        return datasets.DatasetDict({split: ds})
+            return self.local_rows(found[0], split)
+        import datasets
 
-    def load_nll(self, **kwargs):
+        return list(datasets.load_dataset(path, name, split=split))
+
+    def load(self, path: str, split: str, name: str | None = None, data_dir: str | None = None, **metadata):
+        """lm-eval ``custom_dataset``: {split: Dataset}."""
+        import datasets
+
+        return datasets.DatasetDict({split: datasets.Dataset.from_list(self.rows(path, split, name, data_dir))})
+
+    def load_nll(self, path: str, split: str, name: str | None = None, data_dir: str | None = None, **metadata):
         """``load`` plus a ``_gold_tokens`` column: the gold continuation's length in the model's tokens."""
-        dd = self.load(**kwargs)
-        tok_name = kwargs.get("tokenizer") or kwargs.get("pretrained")
-        if not isinstance(tok_name, str):
+        import datasets
+
+        rows = self.rows(path, split, name, data_dir)
+        tok_name = metadata.get("tokenizer") or metadata.get("pretrained")
+        if isinstance(tok_name, str):
+            tok = _tokenizer(tok_name, bool(metadata.get("trust_remote_code", False)))
+            rows = [{**d, "_gold_tokens": continuation_tokens(tok, self.nll_context(d), self.nll_target(d))}
+                    for d in rows]
+        else:
             logger.warning("%s: no tokenizer name in the task metadata; nll_per_token will be NaN", self.name)
-            return dd
-        tok = _tokenizer(tok_name, bool(kwargs.get("trust_remote_code", False)))
-        return dd.map(lambda d: {"_gold_tokens": continuation_tokens(tok, self.nll_context(d), self.nll_target(d))})
+        return datasets.DatasetDict({split: datasets.Dataset.from_list(rows)})
 
     # ---- teacher-forced NLL of the gold answer
     def nll_context(self, doc: dict) -> str:
