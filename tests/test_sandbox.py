@@ -11,8 +11,14 @@ from hf_depth.evaluation import sandbox
 from hf_depth.evaluation.sandbox import CodeExecutionRefused, Limits, run_program
 
 
-def run(src, **limits):
-    return run_program(textwrap.dedent(src), Limits(**{"timeout": 20.0, **limits}), allow=True)
+def run(src, private_uid=True, **limits):
+    return run_program(textwrap.dedent(src), Limits(**{"timeout": 20.0, **limits}), allow=True,
+                       private_uid=private_uid)
+
+
+# As root the kernel enforces containment (private uid); the audit-hook fallback used by non-root callers is
+# exercised as well by private_uid=False. (Not for the fork bomb: RLIMIT_NPROC does not bind root.)
+MODES = [True] + ([False] if os.geteuid() == 0 else [])
 
 
 def no_survivors(result):
@@ -74,7 +80,8 @@ def test_memory_bomb_fails():
     assert not r.passed and "MemoryError" in r.stderr
 
 
-def test_cannot_delete_or_write_outside(tmp_path):
+@pytest.mark.parametrize("private_uid", MODES, ids=lambda m: "private_uid" if m else "hooks")
+def test_cannot_delete_or_write_outside(tmp_path, private_uid):
     outside = tmp_path / "outside"
     outside.mkdir()
     canary = outside / "canary.txt"
@@ -87,14 +94,15 @@ def test_cannot_delete_or_write_outside(tmp_path):
                    f"import shutil; shutil.rmtree({str(outside)!r})",
                    f"import os; os.rename({str(canary)!r}, 'stolen.txt')",
                    f"import subprocess; subprocess.run(['rm', '-f', {str(canary)!r}], check=True)"):
-        r = run(attack)
+        r = run(attack, private_uid=private_uid)
         assert not r.passed, attack
         assert canary.read_text() == "alive", attack
     # ...while its own working directory is writable
-    assert run("open('mine.txt', 'w').write('ok'); import os; os.remove('mine.txt')").passed
+    assert run("open('mine.txt', 'w').write('ok'); import os; os.remove('mine.txt')", private_uid=private_uid).passed
 
 
-def test_environment_is_clean(monkeypatch):
+@pytest.mark.parametrize("private_uid", MODES, ids=lambda m: "private_uid" if m else "hooks")
+def test_environment_is_clean(monkeypatch, private_uid):
     monkeypatch.setenv("HFD_FAKE_SECRET_TOKEN", "s3cr3t-value")
     r = run("""
         import os
@@ -104,20 +112,21 @@ def test_environment_is_clean(monkeypatch):
                 print(open(path, "rb").read())
             except OSError as e:
                 print("denied", path, type(e).__name__)
-    """)
+    """, private_uid=private_uid)
     assert "s3cr3t" not in r.stdout + r.stderr
     assert "HFD_FAKE_SECRET_TOKEN" not in r.stdout
     assert r.stdout.count("denied") == 2
 
 
-def test_no_network():
+@pytest.mark.parametrize("private_uid", MODES, ids=lambda m: "private_uid" if m else "hooks")
+def test_no_network(private_uid):
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     server.settimeout(0.5)
     port = server.getsockname()[1]
     try:
-        r = run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'x')")
+        r = run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'x')", private_uid=private_uid)
         assert not r.passed
         with pytest.raises(TimeoutError):
             server.accept()
@@ -125,9 +134,10 @@ def test_no_network():
         server.close()
 
 
-def test_cannot_signal_parent():
+@pytest.mark.parametrize("private_uid", MODES, ids=lambda m: "private_uid" if m else "hooks")
+def test_cannot_signal_parent(private_uid):
     before = signal.getsignal(signal.SIGTERM)
-    r = run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
+    r = run("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", private_uid=private_uid)
     assert not r.passed and ("PermissionError" in r.stderr or "Operation not permitted" in r.stderr)
     assert signal.getsignal(signal.SIGTERM) == before     # and we are obviously still alive
 

@@ -58,6 +58,8 @@ def hook(event, args):
                 raise PermissionError(f"sandbox: {event} outside the working directory denied")
         elif event in ("ctypes.dlopen", "ctypes.dlsym"):
             raise PermissionError("sandbox: ctypes is disabled")
+        elif event in ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "pty.spawn"):
+            raise PermissionError("sandbox: starting other programs is disabled")
 
 sys.addaudithook(hook)
 del hook

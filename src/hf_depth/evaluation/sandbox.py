@@ -20,7 +20,8 @@ What is enforced for every run (``run_program``):
   own (everything outside its working directory), signals to other users' processes (``os.kill`` of the
   parent), reading other processes' ``/proc/<pid>/environ``, and counts RLIMIT_NPROC for that uid alone.
 * **Not root**: the same limits, plus audit hooks that refuse writes/removals outside the working directory,
-  ``/proc/<pid>`` reads, signals outside the sandbox's process group and ``ctypes``. Audit hooks are
+  ``/proc/<pid>`` reads, signals outside the sandbox's process group, starting other programs
+  (``subprocess``, ``os.system``, ``os.exec*``) and ``ctypes``. Audit hooks are
   defence in depth, not a security boundary (a determined program could find a way around them).
 
 Reading world-readable files (e.g. the standard library, this repository) is allowed in both modes.
@@ -153,11 +154,14 @@ def _user_process_count() -> int:
 
 
 def run_program(source: str, limits: Limits | None = None, *, allow: bool | None = None,
-                python: str | None = None) -> ExecResult:
-    """Run ``source`` as ``__main__`` in the sandbox; ``passed`` iff it exits with status 0 within the limits."""
+                python: str | None = None, private_uid: bool = True) -> ExecResult:
+    """Run ``source`` as ``__main__`` in the sandbox; ``passed`` iff it exits with status 0 within the limits.
+
+    ``private_uid=False`` (testing the non-root fallback while root) keeps the caller's uid and relies on the
+    audit-hook guards, like a non-root caller."""
     check_allowed(allow)
     limits = limits or Limits()
-    is_root = os.geteuid() == 0
+    is_root = os.geteuid() == 0 and private_uid
     base = tempfile.mkdtemp(prefix="hfd-sbx-")
     uid = random.SystemRandom().randrange(1_000_000, 2_000_000_000) if is_root else None
     try:
