@@ -156,3 +156,14 @@ def test_task_scoring_functions_accept_gold_and_reject_wrong():
             assert b.gen_results(d, [f" {letter}"])["acc_letter"] == 1.0
             assert b.gen_results(d, [" " + S.LETTERS[(b.mc_target(d) + 1) % 4]])["acc_letter"] == 0.0
             assert f"\n{letter}. {b.nll_target(d).strip()}\n" in b.gen_prompt(d)
+
+
+def test_local_data_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DEPTH_EVAL_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="sciq_test.jsonl"):
+        BENCHES["sciq"].rows("allenai/sciq", "test")
+    (tmp_path / "mbpp.jsonl").write_text(json.dumps({"task_id": 11, "text": "t", "code": "", "test_list": []}) + "\n")
+    assert len(BENCHES["mbpp"].rows("google-research-datasets/mbpp", "test", "full")) == 1
+    assert BENCHES["mbpp"].rows("google-research-datasets/mbpp", "train", "full") == []
+    with pytest.raises(ValueError, match="split"):
+        BENCHES["mbpp"].rows("google-research-datasets/mbpp", "dev", "full")
