@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import subprocess
@@ -191,14 +192,10 @@ def run_program(source: str, limits: Limits | None = None, *, allow: bool | None
         out_path, err_path = os.path.join(base, "stdout"), os.path.join(base, "stderr")
         start = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen([python or sys.executable, "-I", _CHILD, json.dumps(policy)], cwd=work, env=env,
+            proc = subprocess.Popen([python or sys.executable, "-I", "-S", _CHILD, json.dumps(policy)], cwd=work, env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                                     close_fds=True)
-            status = "failed"
-            try:
-                proc.wait(timeout=limits.timeout)
-            except subprocess.TimeoutExpired:
-                status = "timeout"
+            status = "failed" if _wait(proc, limits.timeout) else "timeout"
             duration = time.perf_counter() - start
             leftovers = _kill_all(_processes_of_session, proc.pid)
             if uid is not None:
@@ -216,6 +213,24 @@ def run_program(source: str, limits: Limits | None = None, *, allow: bool | None
                           _read_capped(err_path, limits.max_output), duration, isolation, leftovers)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait for ``proc`` up to ``timeout`` s; True if it exited. A pidfd wakes us at once (Popen.wait(timeout)
+    polls with a backoff of up to 50 ms, which would dominate the overhead of short programs)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return bool(ready)
 
 
 def _read_capped(path: str, cap: int) -> str:
