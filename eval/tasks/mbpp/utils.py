@@ -1,0 +1,5 @@
+"""Bindings of ``hf_depth.evaluation.tasks.BENCHES["mbpp"]`` for the YAML tasks in this folder."""
+
+from hf_depth.evaluation.tasks import bindings
+
+globals().update(bindings("mbpp"))
