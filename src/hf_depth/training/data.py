@@ -159,21 +159,34 @@ class Documents:
 
         if self.split == "val":
             ds = _hf_dataset(d, d.val_data_files or d.data_files)
-            ds = ds.take(d.val_docs) if held_out else ds
-        else:
-            ds = _hf_dataset(d, d.data_files)
-            ds = ds.skip(d.val_docs) if held_out else ds
-            if epoch > 0:
-                ds = ds.shuffle(seed=d.shuffle_seed + epoch, buffer_size=1000)
+            yield from self._texts(ds.take(d.val_docs) if held_out else ds)
+            return
+        # The held-out documents are the first `val_docs` of the whole (unsplit) stream, whatever the number of
+        # processes: each process reads them once and drops them from its shard by content hash.
+        held = {_digest(t) for t in Documents(d, "val").iterate()} if held_out and d.val_docs else set()
+        ds = _hf_dataset(d, d.data_files)
+        if epoch > 0:
+            ds = ds.shuffle(seed=d.shuffle_seed + epoch, buffer_size=1000)
         if self.world > 1:
             ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world)
-        if skip:
-            ds = ds.skip(skip)
+        kept = 0
+        for text in self._texts(ds):
+            if held and _digest(text) in held:
+                continue
+            kept += 1
+            if kept > skip:
+                yield text
+
+    def _texts(self, ds) -> Iterator[str]:
         for row in ds:
-            text = row.get(d.text_field)
+            text = row.get(self.data.text_field)
             if not isinstance(text, str):
-                raise ValueError(f"`data.text_field` {d.text_field!r} is not a text column; row keys: {list(row)}")
+                raise ValueError(f"`data.text_field` {self.data.text_field!r} is not a text column; row keys: {list(row)}")
             yield text
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=16).digest()
 
 
 # ---------------------------------------------------------------------------------------------- packing

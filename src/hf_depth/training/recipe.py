@@ -260,7 +260,8 @@ def model_config(recipe: Recipe, vocab_size: int | None = None):
     try:
         return hf_depth.config_for(m.design, **fields)
     except ValueError as e:
-        raise ValueError(f"model.{str(e).lstrip('`')}" if str(e).startswith("`") else f"model: {e}") from e
+        msg = str(e)
+        raise ValueError(f"`model.{msg[1:]}" if msg.startswith("`") else f"model: {msg}") from e
     except TypeError as e:  # an unknown design field
         raise ValueError(f"`model.fields` has a key the design {m.design!r} does not take: {e}") from e
 
