@@ -46,9 +46,15 @@ def tiny_recipe(tmp_path, files, **sections):
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def hf_depth_cache(tmp_path_factory, monkeypatch):
     """One tokenizer cache per test session (the embedded BPE is trained once, not per test)."""
     monkeypatch.setenv("HF_DEPTH_CACHE", str(tmp_path_factory.getbasetemp() / "hf_depth_cache"))
+    # tiny matmuls on a shared 2-core machine: one thread avoids oversubscription stalls (80x seen)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

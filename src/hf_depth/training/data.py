@@ -65,9 +65,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HF_DEPTH_CACHE", Path.home() / ".cache" / "hf_depth"))
 
 
-def train_embedded_tokenizer(vocab_size: int, out_dir: Path, max_bytes: int = 8 << 20):
+def train_embedded_tokenizer(vocab_size: int, out_dir: Path, max_bytes: int | None = None):
     """A byte-level BPE (GPT-2 style, ``<|endoftext|>`` = EOS, ``<|padding|>`` = pad) trained on up to
-    ``max_bytes`` of the embedded corpus; a few seconds on a laptop."""
+    ``max_bytes`` (default: 2 KiB per vocabulary entry, at most 8 MiB) of the embedded corpus; seconds."""
+    max_bytes = max_bytes or min(8 << 20, 2048 * vocab_size)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -70,7 +70,7 @@ class OptimRecipe:
 
     lr: float = 2e-3
     weight_decay: float = 0.1
-    policy: Literal["depthbench", "iwd", "standard"] = "depthbench"
+    policy: Literal["depthbench", "iwd", "no_norm_decay"] = "depthbench"
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
