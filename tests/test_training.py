@@ -77,9 +77,10 @@ def test_pack_loses_and_duplicates_no_token():
     docs = [[rng.randrange(2, 50) for _ in range(rng.randrange(1, 40))] + [1] for _ in range(50)]
     stream = [t for d in docs for t in d]
     seqs, carry = [], []
-    for seq, _, carry in pack(iter(docs), 16):
+    for seq, _, rest in pack(iter(docs), 16):
         assert len(seq) == 16
         seqs.append(seq)
+        carry = rest
     assert [t for s in seqs for t in s] + carry == stream
     # resuming mid-stream from (documents consumed, carry) continues exactly
     out = list(pack(iter(docs), 16))
