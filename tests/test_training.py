@@ -188,3 +188,26 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, monkeyp
     assert "step_00000004" in summary["message"] and summary["steps"] == 6
     assert [p.name for p in (r.resolved_run_dir / "checkpoints").iterdir()] == ["step_00000004"]
     assert not (r.resolved_run_dir / "final").exists()
+
+
+def test_generated_recipes_load_or_name_the_missing_design():
+    import pathlib
+
+    from hf_depth.models.registry import DESIGNS
+
+    files = sorted(pathlib.Path("recipes/train").rglob("*.yaml"))
+    assert len(files) > 150
+    for f in files[::7]:  # a sample across every folder (each load builds the design's config)
+        design = (yaml_load(f) or {}).get("model", {}).get("design", "pre_ln")
+        if design in DESIGNS:
+            r = load_recipe(f)
+            assert r.model.design == design
+        else:  # recipes are data: a design merged later is checked when the recipe is loaded
+            with pytest.raises(ValueError, match=f"`model.design` must be one of .*got '{design}'"):
+                load_recipe(f)
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
