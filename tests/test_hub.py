@@ -17,9 +17,13 @@ from hf_depth.training.train import run
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hub")
-    os.environ["HF_DEPTH_CACHE"] = str(tmp_path_factory.getbasetemp() / "hf_depth_cache")
-    r = recipe_from_dict(tiny_recipe(tmp, write_corpus(tmp), name="hubrun", train={"max_steps": 6}))
-    assert run(r)["status"] == "finished"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_DEPTH_CACHE", str(tmp_path_factory.getbasetemp() / "hf_depth_cache"))
+    try:
+        r = recipe_from_dict(tiny_recipe(tmp, write_corpus(tmp), name="hubrun", train={"max_steps": 6}))
+        assert run(r)["status"] == "finished"
+    finally:
+        mp.undo()
     (r.resolved_run_dir / "eval_results.json").write_text(json.dumps({"sciq": {"acc": 0.25}}))
     return r.resolved_run_dir
 
