@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from training_helpers import hf_depth_cache, tiny_recipe, write_corpus  # noqa: F401
 
@@ -19,11 +20,14 @@ def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hub")
     mp = pytest.MonkeyPatch()
     mp.setenv("HF_DEPTH_CACHE", str(tmp_path_factory.getbasetemp() / "hf_depth_cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         r = recipe_from_dict(tiny_recipe(tmp, write_corpus(tmp), name="hubrun", train={"max_steps": 6}))
         assert run(r)["status"] == "finished"
     finally:
         mp.undo()
+        torch.set_num_threads(threads)
     (r.resolved_run_dir / "eval_results.json").write_text(json.dumps({"sciq": {"acc": 0.25}}))
     return r.resolved_run_dir
 
