@@ -24,9 +24,9 @@ def test_expand_grid_and_validation():
 
 def test_print_mode_gives_launch_commands(capsys):
     assert sweep.main(["recipes/train/tiny_cpu.yaml", "--designs", "pre_ln", "--shapes", "2x32", "--lrs", "1e-3",
-                       "--out", "x", "--print"]) == 0
+                       "--out", "x", "--print", "train.max_steps=3"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["accelerate launch -m hf_depth.training.train recipes/train/tiny_cpu.yaml model.design=pre_ln "
+    assert out == ["accelerate launch -m hf_depth.training.train recipes/train/tiny_cpu.yaml train.max_steps=3 model.design=pre_ln "
                    "model.num_hidden_layers=2 model.hidden_size=32 optim.lr=0.001 run_dir=x/pre_ln_L2_d32_lr0.001 "
                    "name=pre_ln_L2_d32_lr0.001"]
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="sweep folder (default runs/sweep)")
     ap.add_argument("--print", dest="print_only", action="store_true", help="print launch commands, run nothing")
     ap.add_argument("--launcher", default="accelerate launch", help="prefix of the printed commands")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # overrides may come after options
     spec = {}
     text = yaml.safe_load(Path(a.recipe).read_text()) if Path(a.recipe).is_file() else None
     if isinstance(text, dict) and "recipe" in text:

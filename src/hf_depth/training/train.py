@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("recipe", help="recipe YAML (see recipes/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=256 optim.lr=1e-3")
     ap.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)  # overrides may come after options
     try:
         recipe = load_recipe(a.recipe, a.overrides)
     except ValueError as e:
