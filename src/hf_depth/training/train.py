@@ -347,8 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary["status"] == "diverged":
         print(f"hf-depth train: {summary['message']}", file=sys.stderr)
         return 1
-    print(json.dumps({k: summary[k] for k in ("name", "status", "steps", "tokens", "final_loss", "best_val_loss",
-                                               "tokens_per_s")}))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({k: summary[k] for k in ("name", "status", "steps", "tokens", "final_loss", "best_val_loss",
+                                                   "tokens_per_s")}))
     return 0
 
 
