@@ -9,31 +9,12 @@ ours / Llama (target <= 1.05). Works on CPU and GPU.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from _timing import best_time
 
 import hf_depth
 from hf_depth.convert import pre_ln_to_llama
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def timeit(fn, device, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -83,8 +64,8 @@ def main(argv=None):
         # interleave the two to share thermal / cache state
         ta, tb = [], []
         for _ in range(3):
-            ta.append(timeit(make(ours), device, a.repeats))
-            tb.append(timeit(make(llama), device, a.repeats))
+            ta.append(best_time(make(ours), device, a.repeats, warmup=2))
+            tb.append(best_time(make(llama), device, a.repeats, warmup=2))
         ma, mb = min(ta), min(tb)
         print(f"| {name} | {ma * 1e3:.2f} | {mb * 1e3:.2f} | {ma / mb:.3f} |")
 

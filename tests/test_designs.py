@@ -7,10 +7,10 @@ import sys
 
 import pytest
 import torch
+from helpers import TINY, batch, tiny_model
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_depth
-from helpers import TINY, batch, tiny_model
 
 DESIGNS = sorted(hf_depth.DESIGNS)
 

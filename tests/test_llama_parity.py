@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import batch, tiny_model
 
 from hf_depth.convert import llama_to_pre_ln, pre_ln_to_llama
-from helpers import batch, tiny_model
 
 
 @pytest.fixture(params=[2, 4], ids=["gqa", "mha"])

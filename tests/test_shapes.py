@@ -1,9 +1,9 @@
 import pytest
 import torch
+from helpers import tiny_config
 
 import hf_depth
 from hf_depth import shapes
-from helpers import tiny_config
 
 DEPTHBENCH_TABLE = {16: 1216, 20: 1120, 24: 1024, 26: 992, 28: 960, 30: 928, 32: 896, 42: 800, 70: 640}
 

@@ -12,6 +12,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from .models.modeling_depth import MODEL_CLASSES
 from .models.registry import DESIGNS
 
+# Fields with the same name and meaning in LlamaConfig and DepthConfig.
+SHARED_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "initializer_range",
+    "attention_bias", "attention_dropout", "pad_token_id", "bos_token_id", "eos_token_id",
+)  # fmt: skip
+
 
 def llama_config_to_pre_ln(config: LlamaConfig, **overrides):
     rope = getattr(config, "rope_parameters", None) or {}
@@ -21,24 +28,9 @@ def llama_config_to_pre_ln(config: LlamaConfig, **overrides):
         raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings")
     if getattr(config, "mlp_bias", False):
         raise ValueError("`mlp_bias` must be False: hf_depth's SwiGLU has no biases")
-    fields = dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rms_norm_eps=config.rms_norm_eps,
-        initializer_range=config.initializer_range,
-        attention_bias=config.attention_bias,
-        attention_dropout=float(config.attention_dropout or 0.0),
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-    )
+    fields = {k: getattr(config, k) for k in SHARED_FIELDS}
+    fields["attention_dropout"] = float(fields["attention_dropout"] or 0.0)
+    fields["rope_theta"] = float(rope.get("rope_theta", 10000.0))
     fields.update(overrides)
     return DESIGNS["pre_ln"].config_class(**fields)
 
@@ -50,22 +42,8 @@ def pre_ln_config_to_llama(config) -> LlamaConfig:
             f"scale_vector={config.scale_vector!r}"
         )
     return LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        max_position_embeddings=config.max_position_embeddings,
+        **{k: getattr(config, k) for k in SHARED_FIELDS},
         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},
-        rms_norm_eps=config.rms_norm_eps,
-        initializer_range=config.initializer_range,
-        attention_bias=config.attention_bias,
-        attention_dropout=config.attention_dropout,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
         tie_word_embeddings=False,
     )
 

@@ -33,7 +33,7 @@ def backbone_params(config: DepthConfig) -> int:
     attn += projection_scales_param_count(config, {"q": (d, q), "k": (d, kv), "v": (d, kv)})
     mlp = 3 * d * f + projection_scales_param_count(config, {"gate": (d, f), "up": (d, f)})
     norms = 2 * norm_param_count(config, kind="rms")
-    return 2 * V * d + L * (attn + mlp + norms) + norm_param_count(config, kind="rms")
+    return 2 * V * d + L * (attn + mlp + norms) + norm_param_count(config, kind="rms", final=True)
 
 
 def count_params(config: DepthConfig) -> int:

@@ -22,6 +22,9 @@ class DeepNormConfig(DepthConfig):
         deepnorm_norm: ``"layer"`` (default, DepthBench / DeepNet) or ``"rms"``.
         deepnorm_alpha: residual multiplier; ``None`` means (2L)^(1/4).
         deepnorm_beta: init multiplier of W_v, W_o and the FFN; ``None`` means (8L)^(-1/4).
+        deepnorm_final_norm: kind of the final norm before the LM head, ``"layer"`` or ``"rms"``; ``None`` (default)
+            means ``deepnorm_norm``. DepthBench's DeepNorm switches only the block norms to LayerNorm: its final
+            norm is RMSNorm (``"rms"``, what ``convert-olmo-core`` sets for its checkpoints).
     """
 
     model_type = "hf_depth_deepnorm"
@@ -30,9 +33,11 @@ class DeepNormConfig(DepthConfig):
     deepnorm_norm: str = "layer"
     deepnorm_alpha: float | None = None
     deepnorm_beta: float | None = None
+    deepnorm_final_norm: str | None = None
 
     def validate_design(self):
         _choice("deepnorm_norm", self.deepnorm_norm, ("layer", "rms"))
+        _choice("deepnorm_final_norm", self.deepnorm_final_norm, (None, "layer", "rms"))
         for name in ("deepnorm_alpha", "deepnorm_beta"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
@@ -41,6 +46,10 @@ class DeepNormConfig(DepthConfig):
     @property
     def norm_kind(self) -> str:
         return self.deepnorm_norm
+
+    @property
+    def final_norm_kind(self) -> str:
+        return self.deepnorm_final_norm or self.deepnorm_norm
 
     @property
     def alpha(self) -> float:
@@ -74,9 +83,12 @@ DESIGN = Design(
     connection=DeepNormConnection,
     input_norm=lambda config, s: None,
     init_scale=deepnorm_init_scale,
-    # every norm (2L post-add + final) is of `deepnorm_norm` kind in place of Pre-LN's RMSNorms
+    # 2L post-add Output-Norms of `deepnorm_norm` kind in place of Pre-LN's input RMSNorms; the final norm of
+    # `final_norm_kind`
     extra_params=lambda config: (
-        (config.num_sublayers + 1) * (norm_param_count(config) - norm_param_count(config, kind="rms"))
+        config.num_sublayers * (norm_param_count(config, role="output") - norm_param_count(config, kind="rms"))
+        + norm_param_count(config, kind=config.final_norm_kind, final=True)
+        - norm_param_count(config, kind="rms", final=True)
     ),
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",

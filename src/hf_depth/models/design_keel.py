@@ -57,7 +57,7 @@ DESIGN = Design(
     "keel",
     KeelConfig,
     connection=KeelConnection,
-    extra_params=lambda config: (config.num_sublayers - 1) * norm_param_count(config),
+    extra_params=lambda config: (config.num_sublayers - 1) * norm_param_count(config, role="output"),
     summary="h <- N_post(alpha h + F(N_pre(h))), alpha = 2L",
     paper="Chen & Wei 2026, Post-LayerNorm Is Back: Stable, ExpressivE, and Deep (arXiv 2601.19895)",
 )

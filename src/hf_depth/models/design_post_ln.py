@@ -7,7 +7,7 @@ Output-Norm for the IWD rule: its output is the residual stream itself, not the 
 """
 
 from .configuration_depth import DepthConfig
-from .norms import make_norm
+from .norms import make_norm, norm_param_count
 from .residual import Design, SublayerConnection
 
 
@@ -32,7 +32,8 @@ DESIGN = Design(
     PostLNConfig,
     connection=PostLNConnection,
     input_norm=lambda config, s: None,
-    extra_params=lambda config: 0,  # the post-add norm replaces the input norm one for one
+    # the post-add (Output-)norm replaces the input norm one for one (they differ only under HG/AP)
+    extra_params=lambda config: config.num_sublayers * (norm_param_count(config, role="output") - norm_param_count(config)),
     summary="h <- N(h + F(h))",
     paper="Vaswani et al. 2017, Attention Is All You Need (arXiv 1706.03762)",
 )

@@ -31,7 +31,7 @@ DESIGN = Design(
     "sandwich_ln",
     SandwichLNConfig,
     connection=SandwichConnection,
-    extra_params=lambda config: config.num_sublayers * norm_param_count(config),
+    extra_params=lambda config: config.num_sublayers * norm_param_count(config, role="output"),
     summary="h <- h + N_out(F(N_in(h)))",
     paper="Ding et al. 2021, CogView (arXiv 2105.13290); Kim et al. 2025, Peri-LN (arXiv 2502.02732)",
 )

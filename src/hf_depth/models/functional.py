@@ -11,10 +11,20 @@ import torch
 import torch.nn.functional as F
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp32 for fp32 and narrower floats, float64 kept (so gradcheck runs in float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in its accumulation dtype (see ``_acc_dtype``)."""
+    return x.to(_acc_dtype(x.dtype))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """y = weight * (x / rms(x)), normalized in fp32 and cast back before the weight (Llama order)."""
     dtype = x.dtype
-    h = x.float()
+    h = _acc(x)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = h.to(dtype)
     return h if weight is None else weight * h
@@ -62,11 +72,11 @@ def hc_coefficients(
     """Dynamic HC coefficients: A = A_static + s_a tanh(N̄(H) W_a), beta = B_static + s_b tanh(N̄(H) w_b).
 
     Shapes: static_alpha [n, n+1], dynamic_alpha [d, n+1], static_beta [n], dynamic_beta [d], scales scalar.
-    Computed in fp32; returned in fp32.
+    Computed in fp32 (float64 stays float64); returned in that dtype.
     """
-    Hn = rms(H.float(), eps)
-    A = static_alpha.float() + alpha_scale.float() * torch.tanh(Hn @ dynamic_alpha.float())
-    beta = static_beta.float() + beta_scale.float() * torch.tanh(Hn @ dynamic_beta.float())
+    Hn = rms(_acc(H), eps)
+    A = _acc(static_alpha) + _acc(alpha_scale) * torch.tanh(Hn @ _acc(dynamic_alpha))
+    beta = _acc(static_beta) + _acc(beta_scale) * torch.tanh(Hn @ _acc(dynamic_beta))
     return A, beta
 
 
@@ -89,7 +99,7 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 
     logits: [..., n, n]. After the last (column) step every column sums to 1 exactly; rows converge to 1.
     """
-    z = logits.float()
+    z = _acc(logits)
     for _ in range(iters):
         z = z - torch.logsumexp(z, dim=-1, keepdim=True)
         z = z - torch.logsumexp(z, dim=-2, keepdim=True)
@@ -105,10 +115,10 @@ def mhc_coefficients(
     Returns H_pre = sigmoid [..., n], H_post = 2 sigmoid [..., n], H_res = Sinkhorn [..., n, n].
     """
     n = H.shape[-2]
-    x = H.flatten(-2).float()
+    x = _acc(H.flatten(-2))
     inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    proj = (x @ phi.float()) * inv_r
-    a, b = alpha.float(), bias.float()
+    proj = (x @ _acc(phi)) * inv_r
+    a, b = _acc(alpha), _acc(bias)
     pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
     post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
     res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
@@ -137,12 +147,68 @@ def depth_softmax(
     Keys are RMS-normalized, values are not; no 1/sqrt(d). Returns (out [..., d], weights [..., S]) with the
     softmax in fp32.
     """
+    acc = _acc_dtype(sources.dtype)
     keys = rms_norm(sources, key_weight, eps)
-    logits = (keys.float() * query.float()).sum(-1)
+    logits = (keys.to(acc) * query.to(acc)).sum(-1)
     p = torch.softmax(logits, dim=0)
-    out = (p.unsqueeze(-1) * sources.float()).sum(0).to(sources.dtype)
+    out = (p.unsqueeze(-1) * sources.to(acc)).sum(0).to(sources.dtype)
     return out, p.movedim(0, -1)
 
 
+# --------------------------------------------------------------------------- MoDA
+def moda_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    depth_key: torch.Tensor | None,
+    depth_value: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scaling: float,
+    depth_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mixture-of-Depths attention: ONE softmax over [causal sequence keys | same-token depth keys].
+
+    query [B, H, T, hd]; key, value [B, Hkv, Tk, hd] (the sequence, cache included, queries are its last T);
+    depth_key, depth_value [D, B, Hkv, T, hd] or None: the keys/values that D earlier sublayers wrote for the
+    *same* token; mask: None (plain causal), bool [B, 1, T, Tk] (True = attend) or additive float;
+    depth_mask: optional bool [D] (True = attend). Softmax in fp32 (float64 kept). Returns [B, T, H, hd].
+    """
+    with torch.autocast(query.device.type, enabled=False):  # the fp32 math must stay fp32 under autocast
+        return _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask)
+
+
+def _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask):
+    acc = _acc_dtype(query.dtype)
+    n_rep = query.shape[1] // key.shape[1]
+    low = torch.finfo(acc).min
+    q = query.to(acc)
+    scores = (q @ key.repeat_interleave(n_rep, dim=1).to(acc).transpose(-1, -2)) * scaling  # [B, H, T, Tk]
+    t, tk = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(t, tk, dtype=torch.bool, device=scores.device).tril(tk - t)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, low)
+    else:
+        scores = scores + mask.to(acc)
+    if depth_key is None or depth_key.shape[0] == 0:
+        p = torch.softmax(scores, dim=-1)
+        out = p @ value.repeat_interleave(n_rep, dim=1).to(acc)
+        return out.transpose(1, 2).to(query.dtype)
+    dk = depth_key.repeat_interleave(n_rep, dim=2).to(acc)  # [D, B, H, T, hd]
+    depth_scores = ((q.unsqueeze(0) * dk).sum(-1) * scaling).movedim(0, -1)  # [B, H, T, D]
+    if depth_mask is not None:
+        depth_scores = depth_scores.masked_fill(~depth_mask.to(torch.bool), low)
+    p = torch.softmax(torch.cat((scores, depth_scores), dim=-1), dim=-1)
+    p_seq, p_depth = p[..., :tk], p[..., tk:]
+    out = p_seq @ value.repeat_interleave(n_rep, dim=1).to(acc)
+    dv = depth_value.repeat_interleave(n_rep, dim=2).to(acc)
+    out = out + (p_depth.movedim(-1, 0).unsqueeze(-1) * dv).sum(0)
+    return out.transpose(1, 2).to(query.dtype)
+
+
 #: every reference above, by name (``dispatch.py`` looks ops up here)
-REFERENCES = {k: v for k, v in dict(globals()).items() if callable(v) and getattr(v, "__module__", None) == __name__}
+REFERENCES = {
+    k: v
+    for k, v in dict(globals()).items()
+    if callable(v) and getattr(v, "__module__", None) == __name__ and not k.startswith("_")
+}

@@ -29,7 +29,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .configuration_depth import DepthConfig
 from .dispatch import swiglu
 from .norms import ProjectionScales, RMSNorm, make_norm
-from .registry import DESIGNS
 from .residual import Design
 
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -252,8 +251,10 @@ class DepthModel(DepthPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.stream = design.stream(config)
-        self.layers = nn.ModuleList(DepthDecoderLayer(config, i, design) for i in range(config.num_hidden_layers))
-        self.norm = make_norm(config, role="input")  # the final norm feeds the LM head: an Input-Norm
+        layer_class = design.layer_class or DepthDecoderLayer
+        self.layers = nn.ModuleList(layer_class(config, i, design) for i in range(config.num_hidden_layers))
+        # the final norm feeds the LM head: an Input-Norm (a design may pick its kind: DepthBench's DeepNorm keeps RMS)
+        self.norm = make_norm(config, role="input", kind=getattr(config, "final_norm_kind", None), final=True)
         self.rotary_emb = DepthRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self._apply_init_scales()
@@ -334,13 +335,17 @@ class DepthModel(DepthPreTrainedModel):
         return self.layers
 
     def residual_path_weights(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Explicit residual-path weights per sublayer index (empty for designs with implicit paths)."""
+        """Explicit residual-path weights per sublayer index (empty for designs with implicit paths); key 2L is the
+        final aggregation. Formats: see ``hf_depth.diagnostics.paths``."""
         out = {}
         for layer in self.layers:
             for conn in layer.connections():
                 w = conn.path_weights()
                 if w is not None:
                     out[conn.sublayer_idx] = w
+        final = self.stream.path_weights()
+        if final is not None:  # the final aggregation reads as sublayer 2L
+            out[self.config.num_sublayers] = final
         return out
 
 
@@ -421,6 +426,9 @@ def _class_prefix(config_class: type) -> str:
     name = config_class.__name__
     return name[: -len("Config")] if name.endswith("Config") else name
 
+
+# imported here, after the shared classes exist, so a design file may subclass them (MoDA's layer) without a cycle
+from .registry import DESIGNS  # noqa: E402
 
 MODEL_CLASSES: dict[str, tuple[type, type]] = {}
 for _design in DESIGNS.values():

@@ -59,6 +59,10 @@ class ResidualStream(nn.Module):
     def final(self, state, norm: nn.Module) -> torch.Tensor:
         return norm(self.collapse(state))
 
+    def path_weights(self) -> dict[str, torch.Tensor] | None:
+        """Explicit weights of the final aggregation (AttnRes), ``None`` if implicit."""
+        return None
+
 
 @dataclass(frozen=True)
 class Design:
@@ -74,7 +78,8 @@ class Design:
     init_scale: Callable | None = None
     #: parameters beyond a Pre-LN model of the same config: ``fn(config) -> int`` (exact; see ``hf_depth.shapes``)
     extra_params: Callable | None = None
-    #: optional replacements of the decoder layer / attention class (MoDA)
+    #: optional replacements of the decoder layer / attention class (MoDA): a class or a factory called as
+    #: ``layer_class(config, layer_idx, design)`` / ``attention_class(config, layer_idx)``
     layer_class: type | None = None
     attention_class: type | None = None
     summary: str = ""

@@ -1,0 +1,73 @@
+"""Skip-layer causal score C(s, l) (DepthBench Figure 6a/b) and, from the same forwards, single-layer pruning.
+
+Skip layer ``s`` (its branches output zeros, ``common.skip_layer``; per-design meaning documented there) and
+compare every later layer's update ``Delta_l = h_{l+1} - h_l`` with the intact model's:
+
+    C(s, l) = mean_tokens |Delta'_l - Delta_l|_2  /  mean_tokens |Delta_l|_2          (a ratio of means, l > s)
+
+``R_causal`` = fraction of pairs (s, l > s) with s >= ceil(L/4) whose score exceeds 0.45.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .common import as_batches, forward_states, late_start, num_layers, progress, skip_layer
+
+THRESHOLD = 0.45
+
+
+@torch.no_grad()
+def causal_scores(model, batches, show_progress: bool = True) -> dict:
+    """Returns ``{"scores": [L, L] (NaN where l <= s or Delta_l is 0), "skip_loss": [L], "loss": float}``.
+
+    ``skip_loss[s]`` is the mean next-token loss with layer ``s`` skipped (the pruning curve).
+    """
+    batches = as_batches(batches)
+    L = num_layers(model)
+    num = torch.zeros(L, L, dtype=torch.float64)
+    den = torch.zeros(L, dtype=torch.float64)
+    skip_loss = torch.zeros(L, dtype=torch.float64)
+    base_loss, count = 0.0, 0
+    bar = progress(range(len(batches) * L), desc="causal/pruning", enabled=show_progress)
+    it = iter(bar)
+    for b in batches:
+        tok = b.tokens
+        ref = forward_states(model, b)
+        base_loss, count = base_loss + ref.loss_sum, count + ref.loss_count
+        delta = torch.stack([(ref.states[i + 1] - ref.states[i])[tok].float() for i in range(L)])  # [L, N, d]
+        den += delta.norm(dim=-1).sum(-1).double()
+        for s in range(L):
+            with skip_layer(model, s):
+                f = forward_states(model, b)
+            skip_loss[s] += f.loss_sum
+            for i in range(s + 1, L):
+                d2 = (f.states[i + 1] - f.states[i])[tok].float()
+                num[s, i] += (d2 - delta[i]).norm(dim=-1).sum().double()
+            next(it, None)
+    scores = num / den.clamp_min(1e-30)[None, :]
+    s_idx, l_idx = torch.meshgrid(torch.arange(L), torch.arange(L), indexing="ij")
+    undefined = (l_idx <= s_idx) | (den == 0)[None, :]  # l <= s, or layer l never updates (0 / 0)
+    scores = scores.masked_fill(undefined, float("nan")).float()
+    c = max(count, 1)
+    return {"scores": scores, "skip_loss": (skip_loss / c).tolist(), "loss": base_loss / c}
+
+
+def late_pairs(L: int) -> list[tuple[int, int]]:
+    """Pairs (a, b), a < b, inside the last 3/4 of the network (a >= ceil(L/4))."""
+    s0 = late_start(L)
+    return [(a, b) for a in range(s0, L) for b in range(a + 1, L)]
+
+
+def fraction_above(scores: torch.Tensor, threshold: float) -> float:
+    """Fraction of late pairs (upper triangle, a >= ceil(L/4)) whose score exceeds ``threshold``."""
+    pairs = late_pairs(scores.shape[0])
+    if not pairs:
+        return float("nan")
+    vals = torch.tensor([float(scores[a, b]) for a, b in pairs])
+    vals = vals[~torch.isnan(vals)]  # undefined pairs (unswappable, or a layer that never updates) do not count
+    return float((vals > threshold).float().mean()) if vals.numel() else float("nan")
+
+
+def r_causal(scores: torch.Tensor, threshold: float = THRESHOLD) -> float:
+    return fraction_above(scores, threshold)

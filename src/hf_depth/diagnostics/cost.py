@@ -1,0 +1,267 @@
+"""System cost per design and shape (DepthBench Figure 11): analytic prefill FLOPs, KV-cache and parameter bytes,
+and measured activation memory, peak memory and tokens/s on the current device.
+
+**FLOPs** are counted per sequence of ``T`` tokens (default 4096), 2 FLOPs per multiply-add, matmuls only:
+
+* ``linear``: q/k/v/o and the three SwiGLU projections of every layer, ``2 T (d q + 2 d kv + q d + 3 d f)``;
+* ``attention_full``: ``Q K^T`` and ``P V`` over the full ``T x T`` square, ``4 T^2 H hd`` per layer (what a FLOP
+  counter sees for eager or SDPA attention); ``attention_causal`` counts only the ``T (T + 1) / 2`` visible pairs;
+* ``lm_head``: ``2 T d V``;
+* ``extra_matmul``: the design's routing matmuls, from ``EXTRA_FLOPS[design]`` (or a design's own
+  ``Design.extra["flops"](config, T) -> {"matmul": int, "other": int}``, which takes precedence), with a generic
+  fallback that counts every ``nn.Linear`` of the model outside the standard projections;
+* ``extra_other``: design work that is not a matmul (AttnRes depth softmax and weighted sums, MoDA's depth
+  attention, HC's matrix-vector beta), reported apart.
+
+``total_matmul = linear + attention_full + lm_head + extra_matmul`` is what
+``torch.utils.flop_counter.FlopCounterMode`` counts for a forward (mm/bmm/addmm/SDPA); it excludes norms, RoPE,
+softmax, SwiGLU's elementwise product, residual adds, and matrix-vector products (``aten.mv`` is not counted).
+``depthbench = linear + attention_causal + extra_matmul + extra_other`` leaves out the LM head, which is the
+convention that reproduces the paper's 3.0 -> 4.4 TFLOPs at T = 4096 for L16/d1216 -> L70/d640
+(this module gives 2.98 and 4.33 TFLOPs for Pre-LN).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+from torch import nn
+
+STANDARD_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
+
+
+def _dims(config) -> dict:
+    d, H = config.hidden_size, config.num_attention_heads
+    hd = getattr(config, "head_dim", None) or d // H
+    kvh = getattr(config, "num_key_value_heads", None) or H
+    return dict(d=d, H=H, hd=hd, q=H * hd, kv=kvh * hd, kvh=kvh, f=config.intermediate_size,
+                V=config.vocab_size, L=config.num_hidden_layers)
+
+
+def _design_name(config) -> str:
+    return getattr(config, "design", None) or getattr(config, "model_type", "llama")
+
+
+def extra_linear_flops(model: nn.Module | None, T: int) -> int:
+    """2 T in out for every ``nn.Linear`` of ``model`` that is not a standard projection or the LM head."""
+    if model is None:
+        return 0
+    total = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.split(".")[-1] not in STANDARD_LINEARS:
+            total += 2 * T * mod.in_features * mod.out_features
+    return total
+
+
+def _streams(config) -> int:
+    for name in ("hc_streams", "mhc_streams", "num_streams", "hc_mult"):
+        v = getattr(config, name, None)
+        if isinstance(v, int):
+            return v
+    return 4
+
+
+def _hc(config, T, model=None) -> dict:
+    """HC (functional.hc_*): per sublayer N̄(H) W_alpha [n, d] x [d, n + 1], branch read and stream mix (einsum)."""
+    n, g = _streams(config), _dims(config)
+    d, S = g["d"], 2 * g["L"]
+    per = 2 * T * n * d * (n + 1) + 2 * T * n * d + 2 * T * n * n * d
+    return {"matmul": S * per, "other": S * 2 * T * n * d}  # other: N̄(H) w_beta is a matrix-vector product
+
+
+def _mhc(config, T, model=None) -> dict:
+    """mHC (functional.mhc_*): per sublayer vec(H) phi [n d] x [n d, n^2 + 2n], read and H_res mix (einsum)."""
+    n, g = _streams(config), _dims(config)
+    d, S = g["d"], 2 * g["L"]
+    per = 2 * T * n * d * (n * n + 2 * n) + 2 * T * n * d + 2 * T * n * n * d
+    sinkhorn = 2 * getattr(config, "mhc_sinkhorn_iters", 20) * 3 * n * n * T
+    return {"matmul": S * per, "other": S * sinkhorn}
+
+
+def _attnres_sources(config) -> list[int]:
+    """Number of depth-softmax sources of each sublayer input (and of the final aggregation)."""
+    S = 2 * config.num_hidden_layers
+    bs = getattr(config, "attnres_block_size", 1) or 1
+    if bs <= 1:
+        return [s + 1 for s in range(S + 1)]
+    return [1 + s // bs + (1 if s % bs else 0) for s in range(S + 1)]
+
+
+def _attnres(config, T, model=None) -> dict:
+    """AttnRes (functional.depth_softmax): logits <w, N̄(v_i)> and the weighted sum, elementwise (not matmuls)."""
+    d = config.hidden_size
+    return {"matmul": 0, "other": sum(4 * T * k * d for k in _attnres_sources(config))}
+
+
+def _moda(config, T, model=None) -> dict:
+    """MoDA: the FFN K/V projections are Linear layers (fallback count); the depth part of the combined softmax
+    adds Q K^T and P V over the 2i earlier depth slots of block i (counted as other: kernel-specific)."""
+    g = _dims(config)
+    depth = sum(4 * T * g["H"] * g["hd"] * (2 * i) for i in range(1, g["L"]))
+    return {"matmul": extra_linear_flops(model, T), "other": depth}
+
+
+EXTRA_FLOPS = {
+    "hc": _hc,
+    "mhc": _mhc,
+    "attnres": _attnres,
+    "full_attnres": _attnres,
+    "block_attnres": _attnres,
+    "moda": _moda,
+    "post_norm_moda": _moda,
+}
+"""Design name -> ``fn(config, T, model) -> {"matmul": int, "other": int}`` (extra FLOPs over Pre-LN per sequence).
+Designs not listed (Pre-LN family: 0; HiRes and new designs) fall back to counting their extra ``nn.Linear``."""
+
+
+def design_extra_flops(config, T: int, model: nn.Module | None = None) -> dict:
+    name = _design_name(config)
+    try:
+        from ..models.registry import DESIGNS
+
+        own = DESIGNS[name].extra.get("flops") if name in DESIGNS else None
+    except Exception:  # pragma: no cover - registry always importable inside the package
+        own = None
+    if own is not None:
+        return dict(own(config, T))
+    if name in EXTRA_FLOPS:
+        return EXTRA_FLOPS[name](config, T, model)
+    return {"matmul": extra_linear_flops(model, T), "other": 0}
+
+
+def prefill_flops(config, seq_len: int = 4096, model: nn.Module | None = None) -> dict:
+    """Analytic prefill FLOPs of one sequence of ``seq_len`` tokens (see the module docstring)."""
+    T, g = seq_len, _dims(config)
+    L = g["L"]
+    linear = L * 2 * T * (g["d"] * g["q"] + 2 * g["d"] * g["kv"] + g["q"] * g["d"] + 3 * g["d"] * g["f"])
+    attn_full = L * 4 * T * T * g["H"] * g["hd"]
+    attn_causal = L * 4 * (T * (T + 1) // 2) * g["H"] * g["hd"]
+    head = 2 * T * g["d"] * g["V"]
+    extra = design_extra_flops(config, T, model)
+    return {
+        "seq_len": T,
+        "linear": linear,
+        "attention_full": attn_full,
+        "attention_causal": attn_causal,
+        "lm_head": head,
+        "extra_matmul": int(extra.get("matmul", 0)),
+        "extra_other": int(extra.get("other", 0)),
+        "total_matmul": linear + attn_full + head + int(extra.get("matmul", 0)),
+        "depthbench": linear + attn_causal + int(extra.get("matmul", 0)) + int(extra.get("other", 0)),
+    }
+
+
+def kv_cache_bytes(config, seq_len: int = 4096, batch: int = 1, bytes_per: int = 2) -> dict:
+    """KV cache of ``batch`` sequences of ``seq_len`` tokens; MoDA adds its depth K/V buffers
+    ``[B, T, 2L, kv_heads, hd]`` (one slot per sublayer, K and V)."""
+    g = _dims(config)
+    seq = 2 * g["L"] * seq_len * g["kv"] * bytes_per * batch
+    depth = 2 * (2 * g["L"]) * seq_len * g["kv"] * bytes_per * batch if "moda" in _design_name(config) else 0
+    return {"sequence_kv": seq, "depth_kv": depth, "total": seq + depth}
+
+
+def parameter_bytes(model: nn.Module) -> dict:
+    n = sum(p.numel() for p in model.parameters())
+    return {"params": n, "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def activation_bytes(model: nn.Module, batch: int = 1, seq_len: int = 128) -> int:
+    """Measured bytes of the tensors autograd saves for backward in one forward (distinct storages)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=next(model.parameters()).device)
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    was = model.training
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        model(input_ids=ids, use_cache=False)
+    model.train(was)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(v for k, v in seen.items() if k not in params)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, repeats: int) -> tuple[float, int | None]:
+    fn()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return statistics.median(times), peak
+
+
+def measure_throughput(model: nn.Module, batch: int = 1, seq_len: int = 128, new_tokens: int = 16,
+                       repeats: int = 3) -> dict:
+    """Tokens/s and peak memory (CUDA only; ``None`` on CPU) for forward, forward+backward and greedy generation
+    with the KV cache, on the model's device and dtype."""
+    device = next(model.parameters()).device
+    ids = torch.randint(2, model.config.vocab_size, (batch, seq_len), device=device)
+    out = {"device": str(device), "dtype": str(next(model.parameters()).dtype), "batch": batch, "seq_len": seq_len}
+    was = model.training
+
+    def fwd():
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    def gen():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, pad_token_id=0)
+
+    model.eval()
+    t, peak = _timed(fwd, device, repeats)
+    out["forward"] = {"tokens_per_s": batch * seq_len / t, "seconds": t, "peak_bytes": peak}
+    model.train()
+    t, peak = _timed(fwd_bwd, device, repeats)
+    model.zero_grad(set_to_none=True)
+    out["forward_backward"] = {"tokens_per_s": batch * seq_len / t, "seconds": t, "peak_bytes": peak}
+    model.eval()
+    t, peak = _timed(gen, device, repeats)
+    out["generate"] = {"tokens_per_s": batch * new_tokens / t, "seconds": t, "peak_bytes": peak,
+                       "new_tokens": new_tokens}
+    model.train(was)
+    return out
+
+
+def system_cost(model: nn.Module, seq_len: int = 4096, measure: bool = True, measure_seq_len: int = 128,
+                measure_batch: int = 1, new_tokens: int = 16, repeats: int = 3) -> dict:
+    """Every cost number of Figure 11 for this model (analytic at ``seq_len``; measured at ``measure_seq_len``)."""
+    cfg = model.config
+    dtype_bytes = next(model.parameters()).element_size()
+    out = {
+        "design": _design_name(cfg),
+        "shape": {"L": cfg.num_hidden_layers, "d": cfg.hidden_size, "d_over_L": cfg.hidden_size / cfg.num_hidden_layers},
+        "prefill_flops": prefill_flops(cfg, seq_len, model),
+        "kv_cache_bytes": kv_cache_bytes(cfg, seq_len, 1, dtype_bytes),
+        "parameters": parameter_bytes(model),
+    }
+    if measure:
+        out["activation_bytes"] = {"batch": measure_batch, "seq_len": measure_seq_len,
+                                   "saved_for_backward": activation_bytes(model, measure_batch, measure_seq_len)}
+        out["measured"] = measure_throughput(model, measure_batch, measure_seq_len, new_tokens, repeats)
+    return out
+
+
+def tflops(x: float) -> float:
+    return x / 1e12 if math.isfinite(x) else x

@@ -1,0 +1,222 @@
+"""Attention Residuals: Full AttnRes and Block AttnRes (DepthBench ``attnres``).
+
+    x_l = N_l( sum_i p_{l,i} v_i ),   p_{l,.} = softmax_i( <w_l, g_l * N̄(v_i)> )          (no 1/sqrt(d))
+    Full:   sources v_0 = embedding, v_i = raw output of sublayer i-1, for i <= l (not cumulative sums)
+    Block:  sources = [embedding, completed block sums b_1..b_k, running partial sum of the current block]
+    final:  h_out = N( sum_i softmax_i(<w_f, g_f * N̄(v_i)>) v_i )   over every source, a model-level query
+
+``w_l`` is a per-sublayer pseudo-query, zero at init (uniform weights: the model then equals Pre-LN with the
+same branch weights, up to eps, since RMSNorm ignores the 1/n of a mean) and kept zero by every init sweep
+(``reset_design_parameters``); ``g_l`` the key RMSNorm weight (ones). Sublayer 0 has a single source (the
+embedding) and therefore no query: extra parameters are 2d per sublayer except sublayer 0, plus 2d for the
+final aggregation = 4Ld in all (98,304 at L=24, d=1024), independent of the block size.
+
+Block boundaries (DepthBench rule, sizes counted in sublayers): sublayer s is a boundary iff s % S == 0;
+at a boundary (s > 0) the running partial sum is committed as a new source before sublayer s reads.
+S = 1 commits every output on its own: Block AttnRes with S = 1 is Full AttnRes.
+
+The residual state is a flat tuple of source tensors (each [B, T, d]); its layout at each sublayer is static.
+Mixing is within a token, so incremental decoding needs nothing beyond the attention KV cache.
+Kimi Team, "Attention Residuals" (arXiv 2603.15031).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_depth import DepthConfig, _choice
+from .dispatch import depth_softmax
+from .norms import make_norm, norm_param_count
+from .residual import Design, ResidualStream, SublayerConnection
+
+ATTNRES_SCHEDULES = ("fixed", "depth_aware")
+
+
+class AttnResConfig(DepthConfig):
+    """Full AttnRes decoder: every sublayer attends (softmax over depth) to the embedding and every earlier
+    sublayer output. No fields beyond :class:`DepthConfig`; see ``BlockAttnResConfig`` for the block variant."""
+
+    model_type = "hf_depth_attnres"
+    design = "attnres"
+
+    @property
+    def attnres_block_sublayers(self) -> int:
+        """Block size S in sublayers (1 = every output is its own source)."""
+        return 1
+
+
+class BlockAttnResConfig(AttnResConfig):
+    """Block AttnRes decoder: the same depth softmax over [embedding, completed block sums, partial sum].
+
+    Args:
+        attnres_block_size: block size S in **sublayers** (attention and FFN count one each, as DepthBench and
+            fla); sublayer s starts a block iff s % S == 0. ``None`` (default) derives S from the schedule.
+            1 gives Full AttnRes.
+        attnres_num_blocks: number of blocks of the ``fixed`` schedule (default 8, DepthBench: 8 blocks
+            whatever the depth, S = ceil(2L / 8)); Kimi: ~8 blocks recover most of Full AttnRes.
+        attnres_schedule: ``"fixed"`` (default, DepthBench) or ``"depth_aware"``, our addition against the
+            "dead segment" DepthBench reports (the first block's layers keep re-reading the embedding: 2 / 5 / 8
+            layers at L = 16 / 24 / 32). ``depth_aware`` grows the number of blocks with depth,
+            N = max(num_blocks, ceil(num_blocks * L / attnres_reference_depth)), so the block length stays that
+            of the reference depth (S = 4 sublayers at the defaults) instead of growing as 2L/8. It is the first
+            thing to try when going deep. Ignored when ``attnres_block_size`` is given.
+        attnres_reference_depth: the depth L at which ``depth_aware`` matches ``fixed`` (default 16, the
+            shallowest DepthBench shape, where the dead segment is shortest).
+    """
+
+    model_type = "hf_depth_block_attnres"
+    design = "block_attnres"
+
+    attnres_block_size: int | None = None
+    attnres_num_blocks: int = 8
+    attnres_schedule: str = "fixed"
+    attnres_reference_depth: int = 16
+
+    def validate_design(self):
+        v = self.attnres_block_size
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"`attnres_block_size` must be None (from the schedule) or a positive integer, got {v!r}")
+        for name in ("attnres_num_blocks", "attnres_reference_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"`{name}` must be a positive integer, got {v!r}")
+        _choice("attnres_schedule", self.attnres_schedule, ATTNRES_SCHEDULES)
+
+    @property
+    def attnres_block_sublayers(self) -> int:
+        if self.attnres_block_size is not None:
+            return self.attnres_block_size
+        n, L = self.attnres_num_blocks, self.num_hidden_layers
+        if self.attnres_schedule == "depth_aware":
+            n = max(n, math.ceil(n * L / self.attnres_reference_depth))
+        return max(1, math.ceil(2 * L / n))
+
+
+def source_layout(config, sublayer_idx: int) -> tuple[int, bool]:
+    """(completed sources, has partial) visible to sublayer ``sublayer_idx`` after any commit at its boundary.
+
+    Completed sources count the embedding. Full AttnRes (S = 1): (s + 1, False).
+    """
+    s, size = sublayer_idx, config.attnres_block_sublayers
+    if s == 0:
+        return 1, False
+    committed = 1 + (s - 1) // size + (1 if s % size == 0 else 0)  # embedding + blocks committed so far
+    return committed, s % size != 0
+
+
+class DepthAggregation(nn.Module):
+    """p = softmax_i(<w, g * N̄(v_i)>), out = sum_i p_i v_i; ``query`` w (zero at init), ``key_norm`` g (ones)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(config.hidden_size))
+        # an Input-Norm (its gamma folds into the query) with one consumer: it keeps its gamma under HG/AP
+        self.key_norm = make_norm(config, role="input", final=True)
+        self._last_weights: torch.Tensor | None = None
+
+    def reset_design_parameters(self):
+        init.zeros_(self.query)  # the paper's init; survives every sweep (init.* skips loaded weights)
+
+    def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        out, p = depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.key_norm.eps)
+        self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
+        return out
+
+    def path_weights(self) -> dict[str, torch.Tensor] | None:
+        return None if self._last_weights is None else {"weights": self._last_weights}
+
+
+class AttnResConnection(SublayerConnection):
+    """Read N_l(depth softmax over the sources); write commits at block boundaries and accumulates outputs."""
+
+    def __init__(self, config, sublayer_idx):
+        super().__init__(config, sublayer_idx)
+        self.block_size = config.attnres_block_sublayers
+        self.completed, self.has_partial = source_layout(config, sublayer_idx)
+        self.aggregate = DepthAggregation(config) if sublayer_idx > 0 else None  # one source: no softmax
+        self.total = config.num_sublayers
+
+    def read(self, state, norm):
+        if self.aggregate is None:
+            return norm(state[0])
+        return norm(self.aggregate(state))
+
+    def write(self, state, out):
+        # a sublayer that starts a block opens a new partial sum (the previous one stays behind as a completed
+        # source); any other adds to the open one. S = 1: every output is its own source.
+        if self.sublayer_idx % self.block_size != 0:
+            return (*state[:-1], state[-1] + out)
+        return (*state, out)
+
+    def path_weights(self):
+        """``{"weights": [K], "members": [K, 2L + 1]}`` (token-mean softmax of the last forward; which base
+        sources -- embedding, sublayer outputs -- each aggregated source sums), or None for sublayer 0."""
+        w = None if self.aggregate is None else self.aggregate.path_weights()
+        return None if w is None else {**w, "members": source_members(self.sublayer_idx, self.block_size, self.total)}
+
+    def extra_repr(self):
+        return f"sources={self.completed}{'+partial' if self.has_partial else ''}, block_size={self.block_size}"
+
+
+class AttnResStream(ResidualStream):
+    """State = tuple of sources. Collapse = their sum (the Pre-LN residual stream h, whatever the queries);
+    final = N(depth softmax over every source with the model-level query)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.aggregate = DepthAggregation(config)
+        self.block_size, self.total = config.attnres_block_sublayers, config.num_sublayers
+
+    def init(self, embeds):
+        return (embeds,)
+
+    def collapse(self, state):
+        return torch.stack(state).sum(0)
+
+    def final(self, state, norm):
+        return norm(self.aggregate(state))
+
+    def path_weights(self):
+        w = self.aggregate.path_weights()
+        return None if w is None else {**w, "members": source_members(self.total, self.block_size, self.total)}
+
+
+def source_members(s: int, block_size: int, total: int) -> torch.Tensor:
+    """[K, total + 1] 0/1 matrix: which base sources (column 0 = embedding, i + 1 = output of sublayer i) each of
+    the K sources read by sublayer ``s`` sums: the embedding, then groups of ``block_size`` consecutive outputs."""
+    groups = [list(range(g, min(g + block_size, s))) for g in range(0, s, block_size)]
+    m = torch.zeros(1 + len(groups), total + 1)
+    m[0, 0] = 1.0
+    for k, members in enumerate(groups, start=1):
+        m[k, [i + 1 for i in members]] = 1.0
+    return m
+
+
+def attnres_extra_params(config) -> int:
+    """(2L - 1) sublayer aggregations + 1 final one, each a query (d) and a key norm: 4Ld with standard norms."""
+    return config.num_sublayers * (config.hidden_size + norm_param_count(config, final=True))
+
+
+DESIGN = Design(
+    "attnres",
+    AttnResConfig,
+    connection=AttnResConnection,
+    stream=AttnResStream,
+    extra_params=attnres_extra_params,
+    summary="x_l = N_l(sum_i softmax_i(<w_l, g_l N̄(v_i)>) v_i) over the embedding and every sublayer output",
+    paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
+)
+
+BLOCK_DESIGN = Design(
+    "block_attnres",
+    BlockAttnResConfig,
+    connection=AttnResConnection,
+    stream=AttnResStream,
+    extra_params=attnres_extra_params,
+    summary="AttnRes over [embedding, completed block sums, partial sum]; blocks of S sublayers",
+    paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
+)

@@ -1,0 +1,296 @@
+"""Hyper-Connections, HC (DepthBench ``hc``; Zhu et al., arXiv 2409.19606, Appendix J Algorithm 2).
+
+n residual streams H in R^{n x d} per token; for every sublayer s (attention 2l, FFN 2l+1):
+
+    A    = A_static + s_a tanh(N̄(H) W_a)          A in R^{n x (n+1)},  W_a in R^{d x (n+1)}   (width)
+    beta = B_static + s_b tanh(N̄(H) w_b)          beta in R^n,         w_b in R^d             (depth)
+    x    = sum_i A[i, 0] H_i                       branch input, then y = F_s(N_s(x))  (pre-norm branch)
+    H'_t = sum_i A[i, t+1] H_i + beta_t y          (H' = A_r^T H + beta y^T)
+
+N̄ is an unweighted per-stream RMS normalization with eps ``hc_norm_eps`` (1e-8, DepthBench).
+
+Init (DepthBench / the paper): A_static[:, 0] = e_(s mod n) (s = the sublayer index, never random),
+A_static[:, 1:] = I_n, B_static = 1, W_a = w_b = 0, s_a = s_b = 0.01; W_o and W_down divided by sqrt(n)
+(``hc_scale_output_init``). With these values the n replicated streams stay equal, so HC computes Pre-LN's
+function with the same branch weights, up to the final reduce:
+
+* ``hc_final_reduce="sum_of_normed"`` (default, DepthBench ``collapse="auto"``): the final norm is applied to
+  every stream and the streams are summed, so at init the logits are n x Pre-LN's.
+* ``"mean_then_norm"`` (fla, Liger): the final norm of the stream mean; equal to Pre-LN at init.
+
+``collapse`` (``output_hidden_states`` and diagnostics) is the stream mean, one [B, T, d] per layer boundary.
+``hc_dynamic=False`` gives static HC (SHC): no W_a, w_b, s_a, s_b.
+
+Extra parameters per sublayer: n(n+1) + n static, plus d(n+1) + d + 2 dynamic = d(n+2) + n^2 + 2n + 2
+(6d + 26 at n = 4). DepthBench LR 2e-3; static routing parameters are not weight-decayed: every routing
+parameter is tagged by ``param_roles`` (see :class:`HCConnection`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .dispatch import hc_coefficients, hc_depth, hc_width
+from .residual import Design, ResidualStream, SublayerConnection
+
+FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
+ROUTING_ROLES = ("routing_static", "routing_dynamic", "routing_scale")
+_OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
+
+
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+
+
+def _eps(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
+        raise ValueError(f"`{name}` must be a number in (0, 1), got {value!r}")
+
+
+class HCConfig(DepthConfig):
+    """Hyper-Connections decoder.
+
+    Args:
+        hc_streams: number of residual streams n (4 in DepthBench and the paper).
+        hc_dynamic: dynamic HC (input-dependent tanh terms, DepthBench) or static HC (``False``).
+        hc_alpha_scale_init: init of the learnable width-gate scale s_a (0.01).
+        hc_beta_scale_init: init of the learnable depth-gate scale s_b (0.01).
+        hc_final_reduce: ``"sum_of_normed"`` (default, DepthBench: final norm per stream, then sum; logits are
+            n x Pre-LN's at init) or ``"mean_then_norm"`` (final norm of the stream mean; Pre-LN at init).
+        hc_scale_output_init: divide the init std of W_o and W_down by sqrt(n) (DepthBench default).
+        hc_norm_eps: eps of the unweighted per-stream RMS normalization feeding the dynamic weights (1e-8).
+    """
+
+    model_type = "hf_depth_hc"
+    design = "hc"
+
+    hc_streams: int = 4
+    hc_dynamic: bool = True
+    hc_alpha_scale_init: float = 0.01
+    hc_beta_scale_init: float = 0.01
+    hc_final_reduce: str = "sum_of_normed"
+    hc_scale_output_init: bool = True
+    hc_norm_eps: float = 1e-8
+
+    def validate_design(self):
+        _positive_int("hc_streams", self.hc_streams)
+        _flag("hc_dynamic", self.hc_dynamic)
+        _non_negative("hc_alpha_scale_init", self.hc_alpha_scale_init)
+        _non_negative("hc_beta_scale_init", self.hc_beta_scale_init)
+        _choice("hc_final_reduce", self.hc_final_reduce, FINAL_REDUCES)
+        _flag("hc_scale_output_init", self.hc_scale_output_init)
+        _eps("hc_norm_eps", self.hc_norm_eps)
+
+    # the names MultiStream / output_init_scale read (shared with mHC)
+    @property
+    def num_streams(self) -> int:
+        return self.hc_streams
+
+    @property
+    def final_reduce(self) -> str:
+        return self.hc_final_reduce
+
+    @property
+    def scale_output_init(self) -> bool:
+        return self.hc_scale_output_init
+
+
+# ------------------------------------------------------------------------------------- shared with mHC
+class MultiStream(ResidualStream):
+    """n replicated streams [B, T, n, d]; collapse = stream mean; final per ``config.final_reduce``."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.n = config.num_streams
+        self.reduce = config.final_reduce
+
+    def init(self, embeds: torch.Tensor) -> torch.Tensor:
+        return embeds.unsqueeze(-2).expand(*embeds.shape[:-1], self.n, embeds.shape[-1])
+
+    def collapse(self, state: torch.Tensor) -> torch.Tensor:
+        return state.mean(-2)
+
+    def final(self, state: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        if self.reduce == "sum_of_normed":
+            return norm(state).sum(-2)
+        return norm(state.mean(-2))
+
+    def extra_repr(self) -> str:
+        return f"streams={self.n}, final_reduce={self.reduce}"
+
+
+def output_init_scale(config, layer_idx: int, name: str) -> float:
+    """1/sqrt(n) for W_o and W_down when ``config.scale_output_init`` (DepthBench ``scale_output_init_by_sqrt_n``)."""
+    if config.scale_output_init and name.split(".")[-1] in _OUTPUT_PROJECTIONS:
+        return 1.0 / math.sqrt(config.num_streams)
+    return 1.0
+
+
+def routing_precision(x: torch.Tensor):
+    """Routing runs outside autocast: coefficients in fp32, mixing in the state's dtype (fp32 under AMP)."""
+    return torch.autocast(device_type=x.device.type, enabled=False)
+
+
+def _token_mean(v: torch.Tensor, trailing: int) -> torch.Tensor:
+    """Mean over every leading (batch, token) dim, keeping the last ``trailing`` dims."""
+    lead = v.dim() - trailing
+    return v if lead == 0 else v.reshape(-1, *v.shape[lead:]).mean(0)
+
+
+class MultiStreamConnection(SublayerConnection):
+    """``read`` computes the routing once and keeps (mixed streams, write weights) for the following ``write``.
+
+    Subclasses implement ``route(H) -> (x, mixed, write_weights, seen)`` where ``seen`` is a dict of routing
+    tensors whose token means ``path_weights`` reports. Gradient checkpointing re-runs read then write of the
+    same layer, so the hand-over stays consistent.
+
+    ``param_roles`` maps each routing parameter name of the module to ``"routing_static"`` (input-independent
+    routing: no weight decay in DepthBench), ``"routing_dynamic"`` (projections producing input-dependent
+    weights) or ``"routing_scale"`` (learnable gates). Optimizer code builds groups from it.
+    """
+
+    param_roles: dict[str, str] = {}
+
+    def __init__(self, config, sublayer_idx: int):
+        super().__init__(config, sublayer_idx)
+        self.n = config.num_streams
+        self._pending = None
+        self._seen: dict[str, torch.Tensor] | None = None
+
+    def route(self, H: torch.Tensor):
+        raise NotImplementedError
+
+    def static_weights(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def read(self, state: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
+        with routing_precision(state):
+            x, mixed, write_weights, seen = self.route(state)
+        self._pending = (mixed, write_weights)
+        if not torch.compiler.is_compiling():
+            # last-seen token means (all positions, padding included), for diagnostics only
+            self._seen = {k: _token_mean(v.detach(), 2 if k == "res" else 1) for k, v in seen.items()}
+        return x if norm is None else norm(x)
+
+    def write(self, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError(f"{type(self).__name__}.write called without a preceding read")
+        (mixed, write_weights), self._pending = self._pending, None
+        with routing_precision(mixed):
+            return self.depth(mixed, write_weights, out)
+
+    def depth(self, mixed, write_weights, out):
+        raise NotImplementedError
+
+    def path_weights(self) -> dict[str, torch.Tensor]:
+        """Mixing weights in one convention for HC and mHC (fp32, detached):
+
+        ``pre`` [n]: branch input x = sum_i pre_i H_i; ``res`` [n, n]: H'_t = sum_i res[t, i] H_i + post_t y;
+        ``post`` [n]. Keys ``static_*`` are the input-independent parts (the weights at a zero dynamic term);
+        ``pre``/``res``/``post`` (present after a forward) are the token means of the last forward's weights.
+        """
+        out = {f"static_{k}": v for k, v in self.static_weights().items()}
+        if self._seen is not None:
+            out.update({k: v.float() for k, v in self._seen.items()})
+        return out
+
+    def parameter_roles(self) -> dict[str, str]:
+        """{own parameter name: role} for the parameters this module has."""
+        return {name: self.param_roles[name] for name, _ in self.named_parameters(recurse=False)}
+
+
+# ------------------------------------------------------------------------------------- HC
+class HCConnection(MultiStreamConnection):
+    """HC width + depth connection of sublayer ``s``. Parameters (and roles):
+
+    ``static_alpha`` [n, n+1], ``static_beta`` [n] (routing_static); ``dynamic_alpha`` [d, n+1],
+    ``dynamic_beta`` [d] (routing_dynamic); ``alpha_scale``, ``beta_scale`` scalars (routing_scale).
+    """
+
+    param_roles = {
+        "static_alpha": "routing_static",
+        "static_beta": "routing_static",
+        "dynamic_alpha": "routing_dynamic",
+        "dynamic_beta": "routing_dynamic",
+        "alpha_scale": "routing_scale",
+        "beta_scale": "routing_scale",
+    }
+
+    def __init__(self, config: HCConfig, sublayer_idx: int):
+        super().__init__(config, sublayer_idx)
+        n, d = self.n, config.hidden_size
+        self.dynamic, self.eps = config.hc_dynamic, config.hc_norm_eps
+        self.alpha_scale_init, self.beta_scale_init = config.hc_alpha_scale_init, config.hc_beta_scale_init
+        self.static_alpha = nn.Parameter(torch.empty(n, n + 1))
+        self.static_beta = nn.Parameter(torch.empty(n))
+        if self.dynamic:
+            self.dynamic_alpha = nn.Parameter(torch.empty(d, n + 1))
+            self.dynamic_beta = nn.Parameter(torch.empty(d))
+            self.alpha_scale = nn.Parameter(torch.empty(()))
+            self.beta_scale = nn.Parameter(torch.empty(()))
+        with torch.no_grad():
+            self.reset_design_parameters()
+
+    def static_alpha_init(self) -> torch.Tensor:
+        n = self.n
+        dev = self.static_alpha.device
+        first = torch.zeros(n, 1, device=dev)
+        first[self.sublayer_idx % n] = 1.0
+        return torch.cat([first, torch.eye(n, device=dev)], dim=1)
+
+    def reset_design_parameters(self) -> None:
+        init.copy_(self.static_alpha, self.static_alpha_init())
+        init.ones_(self.static_beta)
+        if self.dynamic:
+            init.zeros_(self.dynamic_alpha)
+            init.zeros_(self.dynamic_beta)
+            init.constant_(self.alpha_scale, self.alpha_scale_init)
+            init.constant_(self.beta_scale, self.beta_scale_init)
+
+    def coefficients(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [..., n, n+1], beta [..., n]) in fp32."""
+        if not self.dynamic:
+            return self.static_alpha.float(), self.static_beta.float()
+        return hc_coefficients(
+            H, self.static_alpha, self.dynamic_alpha, self.alpha_scale,
+            self.static_beta, self.dynamic_beta, self.beta_scale, self.eps,
+        )  # fmt: skip
+
+    def route(self, H):
+        A, beta = self.coefficients(H)
+        x, mixed = hc_width(H, A)
+        return x, mixed, beta, {"pre": A[..., 0], "res": A[..., 1:].transpose(-1, -2), "post": beta}
+
+    def depth(self, mixed, beta, out):
+        return hc_depth(mixed, beta, out)
+
+    def static_weights(self):
+        A = self.static_alpha.detach().float()
+        return {"pre": A[:, 0], "res": A[:, 1:].T, "post": self.static_beta.detach().float()}
+
+    def extra_repr(self) -> str:
+        return f"sublayer={self.sublayer_idx}, streams={self.n}, dynamic={self.dynamic}"
+
+
+def hc_extra_params(config: HCConfig) -> int:
+    n, d = config.hc_streams, config.hidden_size
+    per = n * (n + 1) + n + ((n + 1) * d + d + 2 if config.hc_dynamic else 0)
+    return config.num_sublayers * per
+
+
+DESIGN = Design(
+    "hc",
+    HCConfig,
+    connection=HCConnection,
+    stream=MultiStream,
+    init_scale=output_init_scale,
+    extra_params=hc_extra_params,
+    summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
+    paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",
+)

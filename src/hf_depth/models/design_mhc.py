@@ -1,0 +1,173 @@
+"""Manifold-constrained Hyper-Connections, mHC (DepthBench ``mhc``; Xie et al., DeepSeek, arXiv 2512.24880).
+
+n streams H in R^{n x d} per token; for every sublayer s, with x~ = vec(H) in R^{nd} and r = rms(x~):
+
+    [h_pre, h_post, h_res] = (1/r) [a_pre x~ phi_pre, a_post x~ phi_post, a_res x~ phi_res] + b
+    H_pre  = sigmoid(h_pre)                    in R^n        (read weights)
+    H_post = 2 sigmoid(h_post)                 in R^n        (write weights)
+    H_res  = SinkhornKnopp(h_res)              in R^{n x n}  (doubly stochastic; log domain, fp32, 20 iterations)
+    H'     = H_res H + H_post^T F_s(N_s(H_pre H))
+
+phi in R^{nd x (n^2 + 2n)} (split order [pre | post | res], h_res reshaped row-major, H_res applied from the
+left), three gates a (init 0.01), b in R^{n^2 + 2n}. No tanh. The routing (coefficients, Sinkhorn, mixing)
+runs with autocast disabled: coefficients and Sinkhorn in fp32, mixing in the state's dtype.
+
+Initialization, ``mhc_init`` (the references disagree, ARCHITECTURES.md 3.7):
+
+* ``"uniform"`` (default): b = 0, phi ~ N(0, 0.02^2): H_pre = 1/2, H_post = 1, H_res ~ J/n. This is
+  DepthBench's Liger backend (``liger_mhc``), the one its 400M launcher ran.
+* ``"identity"``: DepthBench's pure-torch backend: phi = 0, b_pre = +8 at s mod n and -8 elsewhere, b_post = 0,
+  b_res = +8 on the diagonal and -8 off it (H_res ~ I). Known pitfall: the saturated +-8 logits give H_res
+  vanishing gradients, so it tends to stay at identity.
+
+With either init the replicated streams stay (nearly) equal: exactly with phi = 0 (the +-8 sigmoids only move
+the scale of the branch input, which the branch norm removes), approximately with small random phi.
+Final reduce ``mhc_final_reduce``: ``"mean_then_norm"`` (default, DepthBench liger_mhc) or
+``"sum_of_normed"`` (its torch backend). W_o and W_down init / sqrt(n) (``mhc_scale_output_init``, DepthBench).
+
+Extra parameters per sublayer: n d (n^2 + 2n) + n^2 + 2n + 3 (98 331 at d = 1024, n = 4). DepthBench LR 2e-3.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+
+from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .design_hc import FINAL_REDUCES, MultiStream, MultiStreamConnection, _eps, _flag, output_init_scale
+from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
+from .residual import Design
+
+MHC_INITS = ("uniform", "identity")
+
+
+class MHCConfig(DepthConfig):
+    """mHC decoder.
+
+    Args:
+        mhc_streams: number of residual streams n (4).
+        mhc_sinkhorn_iters: Sinkhorn-Knopp iterations t_max (20).
+        mhc_init: ``"uniform"`` (default; zero biases, phi ~ N(0, ``mhc_phi_init_std``^2): what DepthBench's
+            400M runs used, Liger backend) or ``"identity"`` (phi = 0, +-``mhc_identity_logit`` biases: H_pre
+            one-hot at s mod n, H_res ~ I; DepthBench's torch backend).
+        mhc_gate_init: init of the three gates a_pre, a_post, a_res (0.01).
+        mhc_phi_init_std: std of phi under ``"uniform"`` init (0.02).
+        mhc_identity_logit: magnitude of the biases of the ``"identity"`` init (8).
+        mhc_final_reduce: ``"mean_then_norm"`` (default, DepthBench liger_mhc) or ``"sum_of_normed"``.
+        mhc_scale_output_init: divide the init std of W_o and W_down by sqrt(n) (DepthBench default).
+        mhc_norm_eps: eps of the RMS r of the flattened streams (1e-6, DepthBench liger_rms_eps).
+    """
+
+    model_type = "hf_depth_mhc"
+    design = "mhc"
+
+    mhc_streams: int = 4
+    mhc_sinkhorn_iters: int = 20
+    mhc_init: str = "uniform"
+    mhc_gate_init: float = 0.01
+    mhc_phi_init_std: float = 0.02
+    mhc_identity_logit: float = 8.0
+    mhc_final_reduce: str = "mean_then_norm"
+    mhc_scale_output_init: bool = True
+    mhc_norm_eps: float = 1e-6
+
+    def validate_design(self):
+        _positive_int("mhc_streams", self.mhc_streams)
+        _positive_int("mhc_sinkhorn_iters", self.mhc_sinkhorn_iters)
+        _choice("mhc_init", self.mhc_init, MHC_INITS)
+        _non_negative("mhc_gate_init", self.mhc_gate_init)
+        _non_negative("mhc_phi_init_std", self.mhc_phi_init_std)
+        _non_negative("mhc_identity_logit", self.mhc_identity_logit)
+        _choice("mhc_final_reduce", self.mhc_final_reduce, FINAL_REDUCES)
+        _flag("mhc_scale_output_init", self.mhc_scale_output_init)
+        _eps("mhc_norm_eps", self.mhc_norm_eps)
+
+    @property
+    def num_streams(self) -> int:
+        return self.mhc_streams
+
+    @property
+    def final_reduce(self) -> str:
+        return self.mhc_final_reduce
+
+    @property
+    def scale_output_init(self) -> bool:
+        return self.mhc_scale_output_init
+
+
+class MHCConnection(MultiStreamConnection):
+    """mHC connection of sublayer ``s``. Parameters (and roles): ``dynamic_phi`` [n d, n^2 + 2n]
+    (routing_dynamic), ``static_bias`` [n^2 + 2n] (routing_static), ``alpha_scale`` [3] = a_pre, a_post, a_res
+    (routing_scale)."""
+
+    param_roles = {"dynamic_phi": "routing_dynamic", "static_bias": "routing_static", "alpha_scale": "routing_scale"}
+
+    def __init__(self, config: MHCConfig, sublayer_idx: int):
+        super().__init__(config, sublayer_idx)
+        n, d = self.n, config.hidden_size
+        self.iters, self.eps = config.mhc_sinkhorn_iters, config.mhc_norm_eps
+        self.init_kind, self.gate_init = config.mhc_init, config.mhc_gate_init
+        self.phi_std, self.identity_logit = config.mhc_phi_init_std, config.mhc_identity_logit
+        self.dynamic_phi = nn.Parameter(torch.empty(n * d, n * n + 2 * n))
+        self.static_bias = nn.Parameter(torch.empty(n * n + 2 * n))
+        self.alpha_scale = nn.Parameter(torch.empty(3))
+        with torch.no_grad():
+            self.reset_design_parameters()
+
+    def static_bias_init(self) -> torch.Tensor:
+        n, c = self.n, self.identity_logit
+        b = torch.zeros(n * n + 2 * n, device=self.static_bias.device)
+        if self.init_kind == "identity":
+            pre = torch.full((n,), -c, device=b.device)
+            pre[self.sublayer_idx % n] = c
+            eye = torch.eye(n, device=b.device)
+            b[:n] = pre
+            b[2 * n :] = (c * eye - c * (1 - eye)).flatten()
+        return b
+
+    def reset_design_parameters(self) -> None:
+        if self.init_kind == "identity":
+            init.zeros_(self.dynamic_phi)
+        else:
+            init.normal_(self.dynamic_phi, mean=0.0, std=self.phi_std)
+        init.copy_(self.static_bias, self.static_bias_init())
+        init.constant_(self.alpha_scale, self.gate_init)
+
+    def coefficients(self, H: torch.Tensor):
+        """(H_pre [..., n], H_post [..., n], H_res [..., n, n]) in fp32."""
+        return mhc_coefficients(H, self.dynamic_phi, self.alpha_scale, self.static_bias, self.iters, self.eps)
+
+    def route(self, H):
+        pre, post, res = self.coefficients(H)
+        x, mixed = mhc_width(H, pre, res)
+        return x, mixed, post, {"pre": pre, "res": res, "post": post}
+
+    def depth(self, mixed, post, out):
+        return mhc_depth(mixed, post, out)
+
+    def static_weights(self):
+        n, b = self.n, self.static_bias.detach().float()
+        res = sinkhorn(b[2 * n :].unflatten(-1, (n, n)), self.iters)
+        return {"pre": torch.sigmoid(b[:n]), "res": res, "post": 2.0 * torch.sigmoid(b[n : 2 * n])}
+
+    def extra_repr(self) -> str:
+        return f"sublayer={self.sublayer_idx}, streams={self.n}, init={self.init_kind}, sinkhorn_iters={self.iters}"
+
+
+def mhc_extra_params(config: MHCConfig) -> int:
+    n, d = config.mhc_streams, config.hidden_size
+    return config.num_sublayers * (n * d * (n * n + 2 * n) + n * n + 2 * n + 3)
+
+
+DESIGN = Design(
+    "mhc",
+    MHCConfig,
+    connection=MHCConnection,
+    stream=MultiStream,
+    init_scale=output_init_scale,
+    extra_params=mhc_extra_params,
+    summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
+    "H_post = 2 sigmoid",
+    paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880)",
+)
