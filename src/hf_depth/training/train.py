@@ -27,14 +27,8 @@ from pathlib import Path
 import torch
 
 from .data import TokenStream, load_tokenizer, validation_set
+from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
-
-try:
-    from .optim import describe_param_groups, make_optimizer
-except ModuleNotFoundError as _e:  # optim.py lands from the scale-vector branch; until then, DepthBench's policy only
-    if _e.name != f"{__package__}.optim":
-        raise
-    from ._optim_fallback import describe_param_groups, make_optimizer
 
 
 class Diverged(RuntimeError):
