@@ -1,0 +1,186 @@
+"""Export a run to a Hub-ready folder, write its model card, push it.
+
+    hf-depth export runs/tiny_cpu [--out runs/tiny_cpu/export] [--push user/tiny-pre-ln] [--private]
+
+The folder holds ``model.safetensors``, ``config.json`` with ``auto_map`` and the modeling code (it loads with
+``trust_remote_code=True`` where hf_depth is not installed), the tokenizer, ``generation_config.json``, the
+recipe, ``loss_curve.png`` and ``README.md``: a model card from ``model_cards/template.md`` whose YAML front
+matter carries ``library_name``, ``tags``, ``datasets`` and a ``model-index`` with the validation loss and any
+evaluation results found in the run folder (``eval_results.json``: ``{task: {metric: value}}``).
+Diagnostics add their headline numbers with ``write_model_card(folder, run_dir, {"Depth diagnostics": text})``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import string
+import sys
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+LOCAL_BUILDERS = {"json", "parquet", "csv", "text", "arrow"}
+
+
+def _read_run(run_dir: Path) -> tuple[dict, dict, dict, list[dict]]:
+    if not (run_dir / "final" / "config.json").exists():
+        raise ValueError(f"{str(run_dir)!r} has no final/ model: is it a finished hf-depth run folder?")
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
+    meta = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
+    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) if (run_dir / "recipe.yaml").exists() else {}
+    metrics = []
+    if (run_dir / "metrics.jsonl").exists():
+        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return summary, meta, recipe, metrics
+
+
+def plot_loss_curve(metrics: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([m["tokens"] for m in metrics], [m["loss"] for m in metrics], label="train", lw=1)
+    val = [m for m in metrics if "val_loss" in m]
+    if val:
+        ax.plot([m["tokens"] for m in val], [m["val_loss"] for m in val], "o-", label="validation")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _dataset_name(recipe: dict) -> tuple[str, list[str]]:
+    data = recipe.get("data", {})
+    if data.get("source") == "hf" and data.get("path") and data["path"] not in LOCAL_BUILDERS:
+        return data["path"] + (f" ({data['name']})" if data.get("name") else ""), [data["path"]]
+    if data.get("source") == "embedded":
+        return "the Python standard library's sources (hf_depth's embedded corpus)", []
+    return "local data", []
+
+
+def front_matter(summary: dict, meta: dict, recipe: dict, repo_id: str) -> dict:
+    dataset, datasets = _dataset_name(recipe)
+    design = summary.get("design") or meta.get("design", "unknown")
+    results = []
+    if summary.get("best_val_loss") is not None:
+        results.append({"task": {"type": "text-generation", "name": "Language modeling"},
+                        "dataset": {"name": dataset, "type": datasets[0] if datasets else "local", "split": "validation"},
+                        "metrics": [{"type": "loss", "name": "validation loss",
+                                     "value": round(float(summary["best_val_loss"]), 4)}]})
+    for task, metrics in meta.get("eval_results", {}).items():
+        results.append({"task": {"type": "text-generation", "name": task}, "dataset": {"name": task, "type": task},
+                        "metrics": [{"type": k, "name": k, "value": v} for k, v in metrics.items()]})
+    fm = {"library_name": "transformers", "license": "apache-2.0", "pipeline_tag": "text-generation",
+          "tags": ["hf_depth", f"hf_depth_{design}", "custom_code", "depth-scaling", "causal-lm"]}
+    if datasets:
+        fm["datasets"] = datasets
+    if results:
+        fm["model-index"] = [{"name": repo_id.split("/")[-1], "results": results}]
+    return fm
+
+
+def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: dict | None = None,
+                     repo_id: str | None = None, template: str | Path | None = None) -> Path:
+    """Write ``folder/README.md`` from the run folder; ``extra_sections`` maps a heading to Markdown text."""
+    from .models.registry import DESIGNS
+
+    folder, run_dir = Path(folder), Path(run_dir)
+    summary, meta, recipe, metrics = _read_run(run_dir)
+    if (run_dir / "eval_results.json").exists():
+        meta["eval_results"] = json.loads((run_dir / "eval_results.json").read_text())
+    repo_id = repo_id or f"hf-depth/{summary.get('name', run_dir.name)}"
+    design = summary.get("design") or meta.get("design", "unknown")
+    entry = DESIGNS.get(design)
+    if template is not None:
+        text = Path(template).read_text()
+    else:
+        text = resources.files("hf_depth").joinpath("data/model_card_template.md").read_text()
+    if metrics and not (folder / "loss_curve.png").exists():
+        plot_loss_curve(metrics, folder / "loss_curve.png")
+    extra = "".join(f"\n## {k}\n\n{v.strip()}\n" for k, v in (extra_sections or {}).items())
+    dataset, _ = _dataset_name(recipe)
+
+    def num(key, fmt="{:.4f}"):
+        return fmt.format(summary[key]) if summary.get(key) is not None else "n/a"
+
+    card = string.Template(text).safe_substitute(
+        front_matter=yaml.safe_dump(front_matter(summary, meta, recipe, repo_id), sort_keys=False).strip(),
+        title=repo_id.split("/")[-1], design=design, layers=summary.get("num_hidden_layers", "?"),
+        hidden=summary.get("hidden_size", "?"), params=num("params", "{:,}"), aspect_ratio=num("aspect_ratio", "{:.2f}"),
+        version=meta.get("version", "?"), tokens=num("tokens", "{:,}"), dataset=dataset,
+        design_summary=(entry.paper if entry and entry.paper else f"The `{design}` residual design."),
+        equation=entry.summary if entry and entry.summary else design, repo_id=repo_id, steps=summary.get("steps", "?"),
+        final_loss=num("final_loss"), best_val_loss=num("best_val_loss"), lr=num("lr", "{:g}"),
+        git_sha=meta.get("git_sha") or "unknown", recipe=yaml.safe_dump(recipe, sort_keys=False).strip(),
+        extra_sections=extra,
+    )
+    path = folder / "README.md"
+    path.write_text(card)
+    return path
+
+
+def export(run_dir: str | Path, out: str | Path | None = None, repo_id: str | None = None) -> Path:
+    """Write the Hub-ready folder of a finished run (default ``RUN/export``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import hf_depth  # noqa: F401  (registers the designs with the Auto classes)
+
+    run_dir = Path(run_dir)
+    summary, meta, recipe, metrics = _read_run(run_dir)
+    out = Path(out or run_dir / "export")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=128,
+    )
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if (run_dir / "recipe.yaml").exists():
+        shutil.copy(run_dir / "recipe.yaml", tmp / "recipe.yaml")
+    write_model_card(tmp, run_dir, repo_id=repo_id)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def push(folder: str | Path, repo_id: str, private: bool = False) -> str:
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message="hf-depth export")
+    return str(getattr(info, "commit_url", info))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hf-depth export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", help="a finished run folder (holds final/, summary.json, metrics.jsonl)")
+    ap.add_argument("--out", help="export folder (default RUN/export)")
+    ap.add_argument("--push", metavar="REPO", help="push the folder to this Hub repo (user/name)")
+    ap.add_argument("--private", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        folder = export(a.run, a.out, repo_id=a.push)
+    except ValueError as e:
+        print(f"hf-depth export: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {folder}")
+    if a.push:
+        print(f"pushed: {push(folder, a.push, a.private)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
