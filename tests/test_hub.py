@@ -75,6 +75,19 @@ def test_model_card_is_yaml_front_matter_plus_markdown(finished_run, tmp_path):
     assert body.lstrip().startswith("# tiny") and "```yaml" in body and "![loss curve](loss_curve.png)" in body
 
 
+def test_model_card_carries_diagnostics_headline(finished_run, tmp_path):
+    diag = finished_run / "diagnostics"
+    diag.mkdir(exist_ok=True)
+    report = {"loss": 3.5, "causal": {"R_causal": 0.125}, "permutation": {"R_perm": 0.25},
+              "pruning": {"delta": [0.5, 0.01]}}
+    (diag / "report.json").write_text(json.dumps(report))
+    try:
+        body = hub.write_model_card(tmp_path, finished_run).read_text()
+    finally:
+        (diag / "report.json").unlink()
+    assert "## Depth diagnostics" in body and "| 0.1250 |" in body and "| 0.2500 |" in body and "+0.500, +0.010" in body
+
+
 def test_export_refuses_a_folder_without_a_model(tmp_path, capsys):
     assert hub.main([str(tmp_path)]) == 2
     assert "no final/ model" in capsys.readouterr().err

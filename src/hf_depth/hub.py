@@ -88,6 +88,27 @@ def front_matter(summary: dict, meta: dict, recipe: dict, repo_id: str) -> dict:
     return fm
 
 
+DIAGNOSTICS_REPORT = "diagnostics/report.json"  # `hf-depth diagnose RUN/final --out RUN/diagnostics`
+
+
+def diagnostics_section(run_dir: str | Path) -> str | None:
+    """Markdown with the headline depth diagnostics (R_causal, R_perm, pruning curve) of ``RUN/diagnostics``."""
+    path = Path(run_dir) / DIAGNOSTICS_REPORT
+    if not path.exists():
+        return None
+    from .diagnostics.report import headline
+
+    h = headline(json.loads(path.read_text()))
+    rows = ["| measure | value |", "|---|---|"]
+    for key, label in (("R_causal", "R_causal (late pairs with causal score > 0.45)"),
+                       ("R_perm", "R_perm (late pairs with permutation score > 0.15)"), ("loss", "calibration loss")):
+        if h.get(key) is not None:
+            rows.append(f"| {label} | {h[key]:.4f} |")
+    if h.get("pruning_delta") is not None:
+        rows.append("| loss increase when layer l is pruned | " + ", ".join(f"{x:+.3f}" for x in h["pruning_delta"]) + " |")
+    return "\n".join(rows) + "\n\nFrom `hf-depth diagnose` (`diagnostics/report.json` of the run)."
+
+
 def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: dict | None = None,
                      repo_id: str | None = None, template: str | Path | None = None) -> Path:
     """Write ``folder/README.md`` from the run folder; ``extra_sections`` maps a heading to Markdown text."""
@@ -106,7 +127,11 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
         text = resources.files("hf_depth").joinpath("data/model_card_template.md").read_text()
     if metrics and not (folder / "loss_curve.png").exists():
         plot_loss_curve(metrics, folder / "loss_curve.png")
-    extra = "".join(f"\n## {k}\n\n{v.strip()}\n" for k, v in (extra_sections or {}).items())
+    sections = dict(extra_sections or {})
+    diag = diagnostics_section(run_dir)
+    if diag is not None:
+        sections.setdefault("Depth diagnostics", diag)
+    extra = "".join(f"\n## {k}\n\n{v.strip()}\n" for k, v in sections.items())
     dataset, _ = _dataset_name(recipe)
 
     def num(key, fmt="{:.4f}"):
