@@ -67,7 +67,7 @@ def _records(source: str, max_docs: int):
     elif suffix in (".txt", ".md", ""):
         yield {"text": path.read_text(encoding="utf-8", errors="replace")}
     else:
-        raise ValueError(f"`--data` {source!r}: unsupported extension {suffix!r}; allowed .txt .jsonl .json .pt .npy")
+        raise ValueError(f"`--data` {source!r}: unsupported extension {suffix!r}; allowed .txt .md .jsonl .json .pt .npy")
 
 
 def load_calibration(source: str = DEFAULT_DATASET, tokenizer=None, seq_len: int = 512, num_samples: int = 128,
