@@ -24,3 +24,14 @@ def best_time(fn, device, repeats: int, warmup: int = 1) -> float:
         sync(device)
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def add_shape_args(parser, hidden=256, layers=4, heads=8, vocab=8192, seq=256, batch=4, repeats=5) -> None:
+    """The model/batch shape options every benchmark takes."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--vocab", type=int, default=vocab)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--repeats", type=int, default=repeats)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import best_time
+from _timing import add_shape_args, best_time
 
 import hf_depth
 from hf_depth import shapes
@@ -29,13 +29,7 @@ def fwd_bwd_time(model, x, repeats: int) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
+    add_shape_args(p, hidden=128, layers=8, heads=4, vocab=4096, seq=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--designs", nargs="*", default=sorted(hf_depth.DESIGNS))
     a = p.parse_args(argv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _timing import best_time
+from _timing import add_shape_args, best_time
 
 import hf_depth
 from hf_depth.convert import pre_ln_to_llama
@@ -19,14 +19,8 @@ from hf_depth.convert import pre_ln_to_llama
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    add_shape_args(p, repeats=7)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     a = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Training step time of a scale-vector variant (default HG+DNP+OR) vs ``standard``, measured in one run.
 
 One step = forward + backward + AdamW step (IWD groups), same shape, same design, interleaved repeats; prints
-the median step time of both and the ratio variant / standard (the paper reports 1.04x wall-clock on GPU for
+the median (over rounds, of the best of repeats) step time of both and the ratio variant / standard (the paper reports 1.04x wall-clock on GPU for
 Dense-1B). Works on CPU and GPU.
 
     python benchmarks/bench_scale_vectors.py --hidden 256 --layers 4 --seq 256 --batch 4
@@ -13,7 +13,7 @@ import argparse
 import statistics
 
 import torch
-from bench_model import timeit
+from _timing import add_shape_args, best_time
 
 import hf_depth
 from hf_depth.training.optim import make_optimizer
@@ -21,16 +21,10 @@ from hf_depth.training.optim import make_optimizer
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(p)
     p.add_argument("--variant", default="HG+DNP+OR")
     p.add_argument("--design", default="pre_ln")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over rounds x repeats)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median over rounds of the best of repeats)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +48,7 @@ def main(argv=None):
     times = {sv: [] for sv in steps}
     for _ in range(a.rounds):
         for sv, step in steps.items():
-            times[sv].append(timeit(step, device, a.repeats, warmup=1))
+            times[sv].append(best_time(step, device, a.repeats, warmup=1))
     med = {sv: statistics.median(t) for sv, t in times.items()}
     print(f"device={device.type} design={a.design} d={a.hidden} L={a.layers} B={a.batch} T={a.seq} dtype={a.dtype}")
     for sv, t in med.items():

@@ -38,23 +38,16 @@ def _read_run(run_dir: Path) -> tuple[dict, dict, dict, list[dict]]:
 
 
 def plot_loss_curve(metrics: list[dict], path: Path) -> Path:
-    import matplotlib
+    from .plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
     ax.plot([m["tokens"] for m in metrics], [m["loss"] for m in metrics], label="train", lw=1)
     val = [m for m in metrics if "val_loss" in m]
     if val:
         ax.plot([m["tokens"] for m in val], [m["val_loss"] for m in val], "o-", label="validation")
     ax.set_xlabel("tokens")
     ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110, ax=ax)
     return path
 
 

@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import pathlib
-
 import torch
 
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path) -> str:
-    path = pathlib.Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    os.replace(tmp, path)
-    _plt().close(fig)
-    return str(path)
+from ..plotting import pyplot as _plt
+from ..plotting import save_figure as _save
 
 
 def _tensor(x) -> torch.Tensor:

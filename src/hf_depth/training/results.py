@@ -68,12 +68,9 @@ def _fmt(v) -> str:
 
 
 def plot_vs_aspect_ratio(rows: list[dict], path: Path) -> Path:
-    import matplotlib
+    from ..plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for design in sorted({r["design"] for r in rows}):
         pts = sorted((r["aspect_ratio"], r["val_loss"]) for r in rows if r["design"] == design)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=design)
@@ -84,11 +81,7 @@ def plot_vs_aspect_ratio(rows: list[dict], path: Path) -> Path:
     ax.set_xlabel("aspect ratio d/L")
     ax.set_ylabel("best validation loss")
     ax.set_title("validation loss vs aspect ratio (best LR per point)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120, ax=ax)
     return path
 
 
