@@ -163,7 +163,7 @@ class PathAccumulator:
                 str(s): {k: (v / self.raw_count[s]).tolist() for k, v in w.items()} for s, w in sorted(self.raw.items())
             },
         }
-        if "attnres" in self.kinds or "transport" in self.kinds:
+        if "attnres" in self.kinds:  # a fraction of a softmax: HC/mHC transport weights are not normalized
             out.update(dead_layers(matrix, threshold))
         if "transport" in self.kinds:
             er = torch.where(self.erank_count > 0, self.erank / self.erank_count.clamp_min(1), torch.nan)
