@@ -377,3 +377,19 @@ def test_fake_hc_design_flops_paths_and_report():
     M = torch.tensor([[float("nan") if v is None else v for v in r] for r in rep["paths"]["matrix"]])
     torch.testing.assert_close(M[:6], torch.tril(torch.ones(6, 7)), atol=1e-5, rtol=0)  # identical streams
     assert rep["causal"]["scores"][0][1] is not None
+
+
+def test_real_attnres_at_init_has_uniform_path_weights():
+    model = tiny_model("attnres", num_hidden_layers=3)
+    res = paths.residual_paths(model, data(), show_progress=False)
+    assert res["kind"] == "attnres" and res["dead_layers"] == 0
+    M = res["matrix"]
+    for s in range(1, 7):  # sublayer s reads the embedding and s outputs, uniformly (zero queries)
+        torch.testing.assert_close(M[s, : s + 1], torch.full((s + 1,), 1.0 / (s + 1)))
+
+
+def test_real_hc_at_init_transports_the_identity():
+    model = tiny_model("hc", num_hidden_layers=2)
+    res = paths.residual_paths(model, data(), show_progress=False)
+    assert res["kind"] == "transport" and "dead_layers" not in res
+    assert res["erank_final"] == pytest.approx(model.config.hc_streams, rel=1e-4)  # A_r = I at init
