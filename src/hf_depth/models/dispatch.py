@@ -60,7 +60,12 @@ def op(name: str):
     ref = REFERENCES[name]
 
     def call(*args, **kwargs):
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if x is None:
+            x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        # fast path: CPU tensors under the default mode never leave the reference (no env parsing, no import)
+        if x is not None and not x.is_cuda and os.environ.get("HF_DEPTH_KERNELS", "auto") == "auto":
+            return ref(*args, **kwargs)
         if x is not None and use_triton(x):
             fn = getattr(_kernels(), name, None)
             if fn is not None:
