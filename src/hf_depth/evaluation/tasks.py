@@ -17,6 +17,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import abc
 import functools
 import gzip
 import json
@@ -68,7 +69,7 @@ def mbpp_prompt(doc: dict) -> str:
             f"these tests:\n\n{tests}\n[BEGIN]\n")
 
 
-class Bench:
+class Bench(abc.ABC):
     """One benchmark: data loading, prompts and scoring for its hfd_<name>_nll / _gen (/ _mc) tasks."""
 
     name: str
@@ -112,11 +113,13 @@ class Bench:
         return datasets.DatasetDict({split: datasets.Dataset.from_list(rows)})
 
     # ---- teacher-forced NLL of the gold answer
+    @abc.abstractmethod
     def nll_context(self, doc: dict) -> str:
-        raise NotImplementedError
+        """Implemented by each benchmark."""
 
+    @abc.abstractmethod
     def nll_target(self, doc: dict) -> str:
-        raise NotImplementedError
+        """Implemented by each benchmark."""
 
     def nll_results(self, doc: dict, results) -> dict:
         ll, _ = results[0]
@@ -129,8 +132,9 @@ class Bench:
         }
 
     # ---- generation
+    @abc.abstractmethod
     def gen_prompt(self, doc: dict) -> str:
-        raise NotImplementedError
+        """Implemented by each benchmark."""
 
 
 class GSM8K(Bench):
@@ -248,11 +252,13 @@ class _Choice(Bench):
     """Multiple choice: ``_mc`` scores each choice by loglikelihood (acc, acc_norm); ``_gen`` shows lettered
     choices A-D in a fixed order (seeded by the question) and matches the first generated letter."""
 
+    @abc.abstractmethod
     def question(self, doc) -> str:
-        raise NotImplementedError
+        """The question text of ``doc``."""
 
+    @abc.abstractmethod
     def correct_and_wrong(self, doc) -> tuple[str, list[str]]:
-        raise NotImplementedError
+        """(correct answer, distractors) of ``doc``."""
 
     def preamble(self, doc) -> str:
         return ""

@@ -28,6 +28,7 @@ parameter is tagged by ``param_roles`` (see :class:`HCConnection`).
 
 from __future__ import annotations
 
+import abc
 import math
 
 import torch
@@ -143,7 +144,7 @@ def _token_mean(v: torch.Tensor, trailing: int) -> torch.Tensor:
     return v if lead == 0 else v.reshape(-1, *v.shape[lead:]).mean(0)
 
 
-class MultiStreamConnection(SublayerConnection):
+class MultiStreamConnection(SublayerConnection, abc.ABC):
     """``read`` computes the routing once and keeps (mixed streams, write weights) for the following ``write``.
 
     Subclasses implement ``route(H) -> (x, mixed, write_weights, seen)`` where ``seen`` is a dict of routing
@@ -163,11 +164,13 @@ class MultiStreamConnection(SublayerConnection):
         self._pending = None
         self._seen: dict[str, torch.Tensor] | None = None
 
+    @abc.abstractmethod
     def route(self, H: torch.Tensor):
-        raise NotImplementedError
+        """(branch input x, mixed streams, write weights, {"pre", "res", "post"} per token) of streams H."""
 
+    @abc.abstractmethod
     def static_weights(self) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The input-independent ``pre`` / ``res`` / ``post`` weights."""
 
     def read(self, state: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
         with routing_precision(state):
@@ -185,8 +188,9 @@ class MultiStreamConnection(SublayerConnection):
         with routing_precision(mixed):
             return self.depth(mixed, write_weights, out)
 
+    @abc.abstractmethod
     def depth(self, mixed, write_weights, out):
-        raise NotImplementedError
+        """Write the branch output ``out`` into the mixed streams."""
 
     def path_weights(self) -> dict[str, torch.Tensor]:
         """Mixing weights in one convention for HC and mHC (fp32, detached):
