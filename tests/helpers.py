@@ -27,3 +27,15 @@ def batch(vocab=97, b=3, t=9, seed=1, left_pad=(3, 1, 0)):
         mask[i, :p] = 0
         x[i, :p] = 0
     return x, mask
+
+
+def train_steps(model, x, opt, steps: int) -> list[float]:
+    """Full-batch training steps on ``x`` (labels = inputs); returns the losses."""
+    losses = []
+    for _ in range(steps):
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

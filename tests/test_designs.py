@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TINY, batch, tiny_model
+from helpers import TINY, batch, tiny_model, train_steps
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_depth
@@ -106,14 +106,7 @@ def test_thirty_steps_reduce_loss(design):
     torch.manual_seed(0)
     model = tiny_model(design).train()
     x = torch.randint(2, 97, (4, 16), generator=torch.Generator().manual_seed(3))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss = model(x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(model, x, torch.optim.AdamW(model.parameters(), lr=3e-3), 30)
     assert losses[-1] < 0.7 * losses[0], losses
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad), "a parameter got no gradient"
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from helpers import batch, tiny_config, tiny_model
+from helpers import batch, tiny_config, tiny_model, train_steps
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -203,14 +203,7 @@ def _combos_for(design):
 def test_combo_trains_and_reloads(design, scale_vector, tmp_path):
     model = tiny_model(design, scale_vector=scale_vector).train()
     x = torch.randint(2, 97, (2, 12), generator=torch.Generator().manual_seed(3))
-    opt = make_optimizer(model, lr=3e-3, weight_decay=0.1, policy="iwd")
-    losses = []
-    for _ in range(20):
-        loss = model(x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_steps(model, x, make_optimizer(model, lr=3e-3, weight_decay=0.1, policy="iwd"), 20)
     assert losses[-1] < 0.8 * losses[0], losses
     model.eval().save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
