@@ -136,6 +136,7 @@ import torch
 
 from .models.modeling_depth import MODEL_CLASSES
 from .models.registry import DESIGNS
+from .utils import DROP, flatten_dict
 
 #: DepthBench ``TransformerBlockType`` -> hf_depth design name
 BLOCK_TYPES = {
@@ -784,14 +785,9 @@ def _load_dcp(path: str) -> dict:
     return sd
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        elif isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v
-    return out
+def _flatten(d: dict) -> dict:
+    """Nested state dict -> flat ``{"a.b": tensor}`` (non-tensor entries such as step counters dropped)."""
+    return flatten_dict(d, lambda v: v if isinstance(v, torch.Tensor) else DROP)
 
 
 def load_state_dict(src: str) -> dict:

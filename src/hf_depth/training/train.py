@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..utils import flatten_dict
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
@@ -316,14 +317,9 @@ def _installed(tracker: str) -> bool:
     return True
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
+def _flat(d: dict) -> dict:
+    """Recipe dict -> flat tracker config (non-scalar values as strings)."""
+    return flatten_dict(d, lambda v: v if isinstance(v, (int, float, str, bool)) else str(v))
 
 
 def main(argv: list[str] | None = None) -> int:
