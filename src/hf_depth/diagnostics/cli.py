@@ -45,8 +45,11 @@ def _load(args):
 
     import hf_depth  # noqa: F401  (registers every design with the Auto classes)
 
+    from ..errors import reading_model
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
+    with reading_model(args.model):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
     tok = None
     try:
         tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)

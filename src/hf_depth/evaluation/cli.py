@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     tok_path = args.tokenizer or resolve_tokenizer(model_path, args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=dtype).to(device).eval()
+    from ..errors import reading_model
+
+    with reading_model(model_path):
+        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -11,6 +11,8 @@ validates design names and design fields), so a recipe that loads is a recipe th
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -189,6 +191,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 pass
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"`{key}` must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"`{key}` must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -206,13 +210,19 @@ def _build(cls, data: dict, prefix: str):
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            raise ValueError(f"unknown recipe key `{dotted}`; allowed keys under `{prefix[:-1] or 'recipe'}`: {names}")
+            raise ValueError(f"unknown recipe key `{dotted}`{_did_you_mean(key, names)}; allowed keys under "
+                             f"`{prefix[:-1] or 'recipe'}`: {names}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{dotted}.")
         else:
             kwargs[key] = _coerce(dotted, value, tp)
     return cls(**kwargs)
+
+
+def _did_you_mean(key, names) -> str:
+    close = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.7)
+    return f" (did you mean `{close[0]}`?)" if close else ""
 
 
 def _check_values(recipe: Recipe) -> None:
@@ -249,8 +259,18 @@ def _check_values(recipe: Recipe) -> None:
 def model_config(recipe: Recipe, vocab_size: int | None = None):
     """The design's config for this recipe (``vocab_size`` defaults to the recipe's)."""
     import hf_depth
+    from hf_depth.models.configuration_depth import depth_fields
 
     m = recipe.model
+    if m.design in hf_depth.DESIGNS:  # a design field must exist: a typo would otherwise be silently ignored
+        known = depth_fields(hf_depth.DESIGNS[m.design].config_class)
+        shaped = {f.name for f in dataclasses.fields(ModelRecipe)}
+        for key in m.fields:
+            if key not in known or key in shaped:
+                why = "is set by `model.` itself" if key in shaped else f"is not a field of design {m.design!r}"
+                design_only = sorted(set(known) - set(depth_fields(hf_depth.DepthConfig)))
+                raise ValueError(f"`model.fields.{key}` {why}{_did_you_mean(key, known)}; the design's own fields: "
+                                 f"{design_only}")
     fields = dict(
         hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
@@ -272,8 +292,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like `section.key=value` (e.g. `optim.lr=1e-3`)")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override `{text}`: the value is not valid YAML ({_yaml_problem(e)})") from None
+    if not key.strip() or any(not k for k in key.strip().split(".")):
+        raise ValueError(f"override {text!r} must look like `section.key=value` (e.g. `optim.lr=1e-3`)")
     return key.strip().split("."), value
+
+
+def _yaml_problem(e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -289,6 +320,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | None = None) -> Recipe:
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
     data = apply_overrides(yaml.safe_load(yaml.safe_dump(data or {})), list(overrides or []))
     recipe = _build(Recipe, data, "")
     _check_values(recipe)
@@ -300,7 +333,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"recipe file {str(path)!r} is not valid YAML ({_yaml_problem(e)}): fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe file {str(path)!r} must hold a mapping (`model:`, `data:`, `optim:`, `train:` "
+                         f"sections), got a {type(data).__name__} at the top level")
     if "name" not in data:
         data["name"] = path.stem
     return recipe_from_dict(data, overrides)

@@ -9,23 +9,34 @@ tokens per parameter unless the recipe says otherwise. The run folder holds the 
 sha and environment (``run.json``), metrics (``metrics.jsonl``), atomic checkpoints (``checkpoints/step_N``,
 last ``keep_last`` kept) with model, optimizer, RNG states and the data position, and ``final/`` (a
 ``save_pretrained`` folder with the tokenizer) plus ``summary.json`` when done.
+
+Safety: one process owns a run folder for the run's life (an OS lock on ``RUN/.lock``; a second ``train`` or
+``--resume`` on it refuses, naming the holder's PID). Nothing non-finite is ever saved: before a checkpoint or
+``final/`` is written the parameters are checked (one fused norm) and so is the loss of one held-out batch with
+them; a failure stops the run as ``diverged`` naming the last checkpoint that passed, which ``--resume`` (with a
+lower ``optim.lr``) continues from. Resume drops a torn last line of ``metrics.jsonl`` (a kill mid-write), and
+refuses a checkpoint whose RNG state cannot be restored unless ``--resume-ignore-rng``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..errors import UserError, reading, run_command
 from ..utils import flatten_dict
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
@@ -34,6 +45,93 @@ from .recipe import Recipe, load_recipe, model_config
 
 class Diverged(RuntimeError):
     """A non-finite loss: the run stops and keeps its last good checkpoint."""
+
+
+# ---------------------------------------------------------------------------------------------- run-folder safety
+@contextlib.contextmanager
+def run_folder_lock(run_dir: Path, enabled: bool = True):
+    """Hold an exclusive OS lock on ``run_dir/.lock`` (with our PID in it) for the block; a second holder is
+    refused with a UserError naming the PID that owns the folder. The lock dies with its process (kill -9 too)."""
+    if not enabled:
+        yield
+        return
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise UserError(f"run folder {str(run_dir)!r} is in use by process {holder} (another `hf-depth train` "
+                            "or --resume): wait for it to end, stop it, or give this run another `run_dir`") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def read_metrics(path: Path, drop_torn: bool = False) -> list[dict]:
+    """Rows of ``metrics.jsonl``. A line that is not JSON (a kill mid-write tears the last one) is dropped with a
+    warning when ``drop_torn``; otherwise it is an error naming the file and line."""
+    rows = []
+    lines = path.read_text().splitlines() if path.exists() else []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a metrics row")
+        except ValueError:
+            if not drop_torn:
+                raise UserError(f"{str(path)!r} line {i + 1} is not a metrics row: {line[:80]!r}") from None
+            warnings.warn(f"{path}: dropped line {i + 1} (torn or not a metrics row): {line[:80]!r}", stacklevel=2)
+            continue
+        rows.append(row)
+    return rows
+
+
+def params_finite(model) -> bool:
+    """Whether every parameter is finite: one fused norm per device (``torch._foreach_norm``), one sync."""
+    params = [p.detach() for p in model.parameters()]
+    if not params:
+        return True
+    norms = torch._foreach_norm(params) if hasattr(torch, "_foreach_norm") else [p.norm() for p in params]
+    return bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all())
+
+
+def restore_rng(ckpt: Path, process_index: int, ignore: bool) -> None:
+    """Restore the checkpoint's RNG states (python, numpy, torch, CUDA) or raise a UserError naming the file.
+
+    accelerate's ``load_state`` skips an unreadable RNG file silently (a resumed run would then not be the
+    uninterrupted one); here it is an error unless ``ignore`` (``--resume-ignore-rng``)."""
+    import numpy as np
+    from accelerate.utils import load
+
+    path = ckpt / f"random_states_{process_index}.pkl"
+    try:
+        states = load(path, weights_only=True)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    except Exception as e:
+        if ignore:
+            warnings.warn(f"{path}: RNG state not restored ({type(e).__name__}); continuing (--resume-ignore-rng)",
+                          stacklevel=2)
+            return
+        raise UserError(f"cannot restore the RNG state of checkpoint {str(ckpt)!r} from {path.name} "
+                        f"({type(e).__name__}: {str(e)[:200]}): the resumed run would not match an uninterrupted one; "
+                        "pass --resume-ignore-rng to continue anyway") from None
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -138,9 +236,15 @@ def plan(recipe: Recipe, n_params: int, world: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the loop
-def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> dict:
+def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None, ignore_rng: bool = False) -> dict:
     """Train ``recipe``; returns the run summary. ``stop_after`` ends the process-level loop early (as a crash
-    would), leaving the checkpoints for ``resume=True``."""
+    would), leaving the checkpoints for ``resume=True``. The run folder is locked for the whole run."""
+    main_proc = int(os.environ.get("RANK", "0")) == 0
+    with run_folder_lock(recipe.resolved_run_dir, enabled=main_proc):
+        return _run(recipe, resume, stop_after, ignore_rng)
+
+
+def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -158,7 +262,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     main_proc = accelerator.is_main_process
     say = accelerator.print
     if run_dir.exists() and checkpoints(run_dir) and not resume:
-        raise ValueError(f"run folder {str(run_dir)!r} already has checkpoints: pass --resume, or a new `run_dir`")
+        raise UserError(f"run folder {str(run_dir)!r} already has checkpoints: pass --resume, or a new `run_dir`")
     if main_proc:
         run_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
@@ -196,12 +300,15 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     step, tokens_seen, best_val = 0, 0, float("inf")
     if resume and checkpoints(run_dir):
         ckpt = checkpoints(run_dir)[-1]
-        accelerator.load_state(str(ckpt))
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        step, tokens_seen, best_val = state["step"], state["tokens"], state["best_val_loss"]
-        train_stream.load_state_dict(json.loads((ckpt / f"data_state_{accelerator.process_index}.json").read_text()))
-        if main_proc and metrics_path.exists():  # drop what was logged after the checkpoint
-            rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        with reading(ckpt, "checkpoint", "resume from an earlier checkpoint (delete this one) or start a new run"):
+            accelerator.load_state(str(ckpt))
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            step, tokens_seen, best_val = int(state["step"]), int(state["tokens"]), float(state["best_val_loss"])
+            data_state = json.loads((ckpt / f"data_state_{accelerator.process_index}.json").read_text())
+        restore_rng(ckpt, accelerator.process_index, ignore_rng)
+        train_stream.load_state_dict(data_state)
+        if main_proc and metrics_path.exists():  # drop what was logged after the checkpoint (and a torn line)
+            rows = read_metrics(metrics_path, drop_torn=True)
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
         say(f"[hf-depth] resumed from {ckpt} at step {step}")
     elif main_proc:
@@ -224,6 +331,32 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     def checkpoint():
         trainer_state = {"step": step, "tokens": tokens_seen, "best_val_loss": best_val, "plan": p}
         save_checkpoint(accelerator, run_dir, step, trainer_state, train_stream.state_dict(), t.keep_last)
+
+    def last_good() -> str:
+        found = checkpoints(run_dir)
+        return str(found[-1]) if found else "none (no step was saved)"
+
+    def unsaveable(evaluated_loss: float | None) -> str | None:
+        """Why the current weights must not be saved (non-finite parameters, or a non-finite loss on one
+        held-out batch with them), else None. Runs on every process (the reduce is collective)."""
+        finite = torch.tensor(float(params_finite(model)), device=accelerator.device)
+        if accelerator.reduce(finite, reduction="min").item() < 1:
+            return "non-finite weights"
+        if evaluated_loss is None:  # the loss of this step's batch was computed with the weights before it
+            model.eval()
+            with torch.no_grad(), accelerator.autocast():
+                x = val[: t.micro_batch_size].to(accelerator.device)
+                probe = model(input_ids=x, labels=x).loss.detach().float() if len(x) else torch.zeros(())
+            model.train()
+            probe = accelerator.reduce(probe.to(accelerator.device).reshape(1), reduction="sum")
+            evaluated_loss = probe.item()
+        if not math.isfinite(evaluated_loss):
+            return f"a non-finite held-out loss ({evaluated_loss})"
+        return None
+
+    def stop_diverged(what: str) -> str:
+        return (f"{what} at step {step}: stopped without saving them; the last good checkpoint is {last_good()} "
+                f"(continue from it with a lower learning rate: hf-depth train RECIPE --resume optim.lr=...)")
 
     bar = None
     if main_proc and t.progress:
@@ -254,6 +387,11 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
                 grad_norm = None
                 if accelerator.sync_gradients and o.grad_clip > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
+                    if not math.isfinite(float(grad_norm)):  # the update would poison every weight
+                        status = "diverged"
+                        message = (f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1}: stopped before "
+                                   f"the update; the last good checkpoint is {last_good()}")
+                        break
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.item() / t.grad_accum
@@ -269,15 +407,21 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         if step % t.log_every == 0 or step == p["steps"]:
             row["tokens_per_s"] = tps
             window_start, window_tokens = time.perf_counter(), 0
+        evaluated = None
         if step % t.eval_every == 0 or step == p["steps"]:
-            val_loss = evaluate(accelerator, model, val, t.micro_batch_size, t.eval_batches)
-            best_val = min(best_val, val_loss)
+            val_loss = evaluated = evaluate(accelerator, model, val, t.micro_batch_size, t.eval_batches)
+            if math.isfinite(val_loss):
+                best_val = min(best_val, val_loss)
             row["val_loss"] = val_loss
         log(row)
         if bar is not None:
             bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
         if step % t.save_every == 0 or step == p["steps"]:
+            why = unsaveable(evaluated)
+            if why is not None:
+                status, message = "diverged", stop_diverged(why)
+                break
             checkpoint()
     if bar is not None:
         bar.close()
@@ -298,7 +442,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
             accelerator.unwrap_model(model).save_pretrained(final, state_dict=accelerator.get_state_dict(model))
             tokenizer.save_pretrained(final)
     if main_proc and status != "interrupted":
-        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        rows = read_metrics(metrics_path, drop_torn=True)
         summary["final_loss"] = rows[-1]["loss"] if rows else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if trackers:
@@ -323,17 +467,23 @@ def _flat(d: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hf-depth train``: exit 0 finished, 1 diverged, 2 bad input (one line, see ``hf_depth.errors``)."""
+    return run_command("train", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-depth train", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe YAML (see recipes/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=256 optim.lr=1e-3")
     ap.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    ap.add_argument("--resume-ignore-rng", action="store_true",
+                    help="resume even if the checkpoint's RNG state cannot be restored (not reproducible)")
     a = ap.parse_intermixed_args(argv)  # overrides may come after options
     try:
         recipe = load_recipe(a.recipe, a.overrides)
     except ValueError as e:
-        print(f"hf-depth train: bad recipe: {e}", file=sys.stderr)
-        return 2
-    summary = run(recipe, resume=a.resume)
+        raise UserError(f"bad recipe: {e}") from e
+    summary = run(recipe, resume=a.resume, ignore_rng=a.resume_ignore_rng)
     if summary["status"] == "diverged":
         print(f"hf-depth train: {summary['message']}", file=sys.stderr)
         return 1
