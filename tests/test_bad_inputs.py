@@ -93,7 +93,6 @@ def _saved(tmp_path, design="pre_ln", **kw):
 def test_edited_config_json_is_refused_on_load(tmp_path, edit, needle):
     folder = _saved(tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
-    assert cfg["head_dim"] is None  # derived: recomputed on load
     (folder / "config.json").write_text(json.dumps({**cfg, **edit}))
     from transformers import AutoConfig
 
@@ -110,12 +109,13 @@ def test_moda_backend_refused_at_from_pretrained(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").config._attn_implementation == "eager"
 
 
-def test_explicit_head_dim_survives_save_and_load(tmp_path):
-    model = hf_depth.model_for("pre_ln", **{**TINY, "head_dim": 16})
-    model.save_pretrained(tmp_path)
+def test_head_dim_derived_is_recomputed_explicit_survives(tmp_path):
     from transformers import AutoConfig
 
-    assert AutoConfig.from_pretrained(tmp_path).head_dim == 16
+    assert json.loads((_saved(tmp_path / "a") / "config.json").read_text())["head_dim"] is None  # derived
+    assert AutoConfig.from_pretrained(tmp_path / "a").head_dim == 8
+    hf_depth.model_for("pre_ln", **{**TINY, "head_dim": 16}).save_pretrained(tmp_path / "b")
+    assert AutoConfig.from_pretrained(tmp_path / "b").head_dim == 16
 
 
 @pytest.mark.parametrize("design, key, suggestion", [
@@ -375,19 +375,23 @@ def _hf_depth(*args, env_extra=None, timeout=300):
                           timeout=timeout)
 
 
-def test_real_exit_status_and_debug_traceback(env):
+def test_real_exit_status_and_debug_traceback(env, capsys, monkeypatch):
     bad = str(env["root"] / "recipes" / "malformed.yaml")
     p = _hf_depth("train", bad)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("hf-depth train: bad recipe: recipe file")
-    p = _hf_depth("train", bad, "--debug")
-    assert p.returncode == 2 and "Traceback" in p.stderr
-    p = _hf_depth("val-loss", env["no_config"], "--data", str(env["root"] / "good.txt"),
-                  env_extra={"HF_DEPTH_DEBUG": "1"})
-    assert p.returncode == 2 and "Traceback" in p.stderr
+    # HF_DEPTH_DEBUG shows the traceback; a pickle payload never runs, even with torch's weights_only switched off
     p = _hf_depth("diagnose", env["model"], "--data", str(env["root"] / "pickled.pt"), "--out",
-                  str(env["root"] / "d_sub"), env_extra={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
-    assert p.returncode == 2 and "pickled.pt" in p.stderr and not (env["root"] / "PWNED").exists()
+                  str(env["root"] / "d_sub"), env_extra={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", "HF_DEPTH_DEBUG": "1"})
+    assert p.returncode == 2 and "Traceback" in p.stderr and "pickled.pt" in p.stderr
+    assert not (env["root"] / "PWNED").exists() and not (env["root"] / "d_sub" / "report.json").exists()
+    # --debug anywhere on the command line, in-process
+    monkeypatch.delenv("HF_DEPTH_DEBUG", raising=False)
+    capsys.readouterr()
+    assert cli.main(["train", bad, "--debug"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+    assert cli.main(["--debug", "val-loss", env["no_config"], "--data", str(env["root"] / "good.txt")]) == 2
+    assert "Traceback" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -478,10 +482,10 @@ def test_run_folder_is_owned_by_one_process(tmp_path, corpus, capsys):
             assert len(line) == 1 and f"in use by process {os.getpid()}" in line[0]
         assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
     # a live holder in another process
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time, pathlib; sys.path.insert(0, sys.argv[1]); from hf_depth.training.train import "
-        "run_folder_lock\nwith run_folder_lock(pathlib.Path(sys.argv[2])):\n print('held', flush=True); time.sleep(60)"),
-        str(Path(hf_depth.__file__).parents[1]), str(run_dir)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen([sys.executable, "-c", (  # the same OS lock, taken by a plain process
+        "import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.pwrite(fd, str(os.getpid()).encode(), 0)\nprint('held', flush=True)\ntime.sleep(60)"),
+        str(run_dir / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()

@@ -33,6 +33,8 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--debug"]:  # hf-depth --debug COMMAND ...: the flag is the command's
+        argv = argv[1:2] + ["--debug"] + argv[2:]
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
