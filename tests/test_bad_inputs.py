@@ -137,9 +137,10 @@ def test_transformers_kwargs_do_not_warn():
     assert c._attn_implementation == "eager"
 
 
-def test_default_eos_only_inside_the_vocabulary():
-    assert hf_depth.config_for("pre_ln").eos_token_id == 50279
-    assert hf_depth.config_for("pre_ln", vocab_size=97).eos_token_id is None
+def test_eos_inside_the_vocabulary_except_the_depthbench_default():
+    assert hf_depth.config_for("pre_ln", vocab_size=97).eos_token_id == 50279  # the documented exemption
+    with pytest.raises(ValueError, match="`eos_token_id`"):
+        hf_depth.config_for("pre_ln", vocab_size=97, eos_token_id=50278)
 
 
 # ---------------------------------------------------------------------------------------------- CLI table
@@ -262,7 +263,7 @@ CLI_CASES = [
     CliCase("fields-typo", ["train", "{fields_typo}"], "did you mean `hc_streams`", forbidden=[R("fields_typo")]),
     CliCase("fields-shape", ["train", "{fields_shape}"], "model.fields.hidden_size"),
     CliCase("fields-block-size", ["train", "{block_too_big}"], "attnres_block_size"),
-    CliCase("fields-moda-flash", ["train", "{moda_flash}"], "attn_implementation"),
+    CliCase("fields-moda-flash", ["train", "{moda_flash}"], "not supported by design 'moda'"),
     # training data: refused before any step, nothing trained
     CliCase("json-empty", ["train", "{empty_json}"], "empty.jsonl", forbidden=_nothing_trained("empty_json")),
     CliCase("json-no-text", ["train", "{notext_json}"], "data.text_field", forbidden=_nothing_trained("notext_json")),

@@ -115,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import hf_depth  # noqa: F401
 
-    from .cli import resolve_model, resolve_tokenizer
-
     from ..errors import UserError, reading, reading_model
+    from .cli import resolve_model, resolve_tokenizer
 
     documents = read_documents(args.data, args.text_field)
     model_path = resolve_model(args.model)

@@ -37,7 +37,8 @@ UPPER_BOUNDS: dict[str, tuple[str, typing.Callable]] = {
 """Cross-field upper bounds ``{field: (description, bound(config))}``, checked for every design holding the field."""
 
 DEPTHBENCH_EOS = 50279
-"""The default ``eos_token_id`` (GPT-NeoX ``<|endoftext|>``): it only applies when the vocabulary holds it."""
+"""The default ``eos_token_id`` (GPT-NeoX ``<|endoftext|>``): the one id exempt from the inside-the-vocabulary check,
+as tiny stand-ins of the DepthBench tokenizer (tests, ``olmo_core.TOKENIZER``) keep it with a small vocabulary."""
 
 
 def ceil16(x: float) -> int:
@@ -98,7 +99,7 @@ def depth_fields(cls) -> dict:
 
 
 @functools.cache
-def _transformers_names() -> frozenset:
+def transformers_names() -> frozenset:
     """Attribute and keyword names transformers itself gives every config (never flagged as typos)."""
     import dataclasses
 
@@ -218,8 +219,6 @@ class DepthConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         self.warn_unknown_kwargs(kwargs)
-        if self.eos_token_id == DEPTHBENCH_EOS and isinstance(self.vocab_size, int) and self.vocab_size <= DEPTHBENCH_EOS:
-            self.eos_token_id = None  # the DepthBench default does not exist in a smaller vocabulary
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
             self.intermediate_size = default_intermediate_size(self.hidden_size)
         if self.num_key_value_heads is None:
@@ -239,7 +238,7 @@ class DepthConfig(PretrainedConfig):
         """Warn about a keyword that is no field of this design but looks like one (``hiden_size``) or belongs to
         another design; transformers' own keywords (``attn_implementation``, ``torch_dtype``...) pass silently."""
         ours = depth_fields(cls)
-        known = _transformers_names()
+        known = transformers_names()
         others = _all_design_fields()
         for key in kwargs:
             if key.startswith("_") or key in ours or key in known:
@@ -305,6 +304,8 @@ class DepthConfig(PretrainedConfig):
             v = getattr(self, name)
             ids = v if isinstance(v, (list, tuple)) and name == "eos_token_id" else [v]
             for i in ids:
+                if name == "eos_token_id" and i == DEPTHBENCH_EOS and not isinstance(i, bool):
+                    continue  # the DepthBench tokenizer's id, kept by tiny-vocabulary stand-ins (olmo_core.TOKENIZER)
                 if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size):
                     raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={self.vocab_size}) "
                                      f"(inside the vocabulary), got {v!r}")

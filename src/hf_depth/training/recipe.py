@@ -259,14 +259,14 @@ def _check_values(recipe: Recipe) -> None:
 def model_config(recipe: Recipe, vocab_size: int | None = None):
     """The design's config for this recipe (``vocab_size`` defaults to the recipe's)."""
     import hf_depth
-    from hf_depth.models.configuration_depth import depth_fields
+    from hf_depth.models.configuration_depth import depth_fields, transformers_names
 
     m = recipe.model
     if m.design in hf_depth.DESIGNS:  # a design field must exist: a typo would otherwise be silently ignored
         known = depth_fields(hf_depth.DESIGNS[m.design].config_class)
         shaped = {f.name for f in dataclasses.fields(ModelRecipe)}
         for key in m.fields:
-            if key not in known or key in shaped:
+            if (key not in known and key not in transformers_names()) or key in shaped:
                 why = "is set by `model.` itself" if key in shaped else f"is not a field of design {m.design!r}"
                 design_only = sorted(set(known) - set(depth_fields(hf_depth.DepthConfig)))
                 raise ValueError(f"`model.fields.{key}` {why}{_did_you_mean(key, known)}; the design's own fields: "
