@@ -259,6 +259,8 @@ CLI_CASES = [
     CliCase("override-bad-yaml", ["train", "{good}", "optim.lr=[1e-3"], "optim.lr=[1e-3"),
     CliCase("override-empty-key", ["train", "{good}", "=3"], "section.key=value"),
     CliCase("override-typo", ["train", "{good}", "model.hiden_size=64"], "hidden_size"),
+    CliCase("seed-negative", ["train", "{good}", "data.shuffle_seed=-1"], "data.shuffle_seed", forbidden=[R("good")]),
+    CliCase("val-sequences-zero", ["train", "{good}", "data.val_sequences=0"], "data.val_sequences"),
     CliCase("override-bool-int", ["train", "{good}", "train.max_steps=true"], "train.max_steps"),
     CliCase("fields-typo", ["train", "{fields_typo}"], "did you mean `hc_streams`", forbidden=[R("fields_typo")]),
     CliCase("fields-shape", ["train", "{fields_shape}"], "model.fields.hidden_size"),
@@ -496,3 +498,54 @@ def test_run_folder_is_owned_by_one_process(tmp_path, corpus, capsys):
         holder.kill()
         holder.wait()
     assert train_mod.main([recipe, "train.max_steps=2", "train.save_every=2"]) == 0  # the lock died with it
+
+
+def test_non_finite_gradient_stops_before_the_update(tmp_path, corpus, monkeypatch):
+    from hf_depth.training.recipe import recipe_from_dict
+
+    calls = {"n": 0}
+    real = train_mod.lm_loss
+
+    def nan_grad(model, x):  # a finite loss whose gradient is NaN: 0 * d sqrt(z)/dz at z = 0
+        calls["n"] += 1
+        loss = real(model, x)
+        return loss + 0.0 * torch.sqrt(loss - loss.detach()) if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(train_mod, "lm_loss", nan_grad)
+    r = recipe_from_dict(tiny_recipe(tmp_path, corpus, name="g", train={"save_every": 1, "eval_every": 100}))
+    summary = train_mod.run(r)
+    assert summary["status"] == "diverged" and "non-finite gradient norm" in summary["message"], summary["message"]
+    assert summary["steps"] == 2 and "step_00000002" in summary["message"]
+    assert _weights_finite(train_mod.checkpoints(r.resolved_run_dir)[-1])
+
+
+def _truncate(path: Path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CHECKPOINT_CASES = [  # (id, corruption of checkpoints/step_00000004, needle of the one line)
+    ("trainer-state-garbage", lambda c: (c / "trainer_state.json").write_text("{not json"), "step_00000004"),
+    ("trainer-state-no-step", lambda c: (c / "trainer_state.json").write_text("{}"), "step_00000004"),
+    ("data-state-missing", lambda c: (c / "data_state_0.json").unlink(), "step_00000004"),
+    ("model-truncated", lambda c: _truncate(c / "model.safetensors"), "step_00000004"),
+    ("optimizer-random", lambda c: (c / "optimizer.bin").write_bytes(os.urandom(256)), "step_00000004"),
+    ("rng-garbage", lambda c: (c / "random_states_0.pkl").write_bytes(b"\x80\x04garbage"), "random_states_0.pkl"),
+    ("rng-missing", lambda c: (c / "random_states_0.pkl").unlink(), "random_states_0.pkl"),
+]
+
+
+@pytest.mark.parametrize("corrupt, needle", [c[1:] for c in CHECKPOINT_CASES], ids=[c[0] for c in CHECKPOINT_CASES])
+def test_bad_checkpoint_on_resume_gives_one_line_and_exit_2(tmp_path, corpus, capsys, corrupt, needle):
+    from hf_depth.training.recipe import load_recipe
+
+    recipe = _recipe_file(tmp_path, corpus, train={"max_steps": 8, "save_every": 4, "eval_every": 100})
+    run_dir = tmp_path / "runs" / "r"
+    assert train_mod.run(load_recipe(recipe), stop_after=4)["status"] == "interrupted"
+    corrupt(run_dir / "checkpoints" / "step_00000004")
+    capsys.readouterr()
+    assert train_mod.main([recipe, "--resume"]) == 2
+    err = capsys.readouterr().err
+    ours = [x for x in err.splitlines() if x.startswith("hf-depth train:")]
+    assert len(ours) == 1 and needle in ours[0] and "Traceback" not in err and "internal error" not in ours[0], err
+    assert not (run_dir / "final").exists() and not (run_dir / "summary.json").exists()
+    assert [c.name for c in train_mod.checkpoints(run_dir)] == ["step_00000004"]

@@ -96,7 +96,8 @@ def reading(path, what: str = "file", hint: str | None = None):
     except Exception as e:
         if isinstance(e, ValueError) and str(path) in str(e):
             raise  # already names the file (and says what is allowed)
-        if not (is_expected(e) or isinstance(e, (RuntimeError, StopIteration))):
+        # inside a read, a missing key or a wrong type comes from the file's contents, not from our code
+        if not (is_expected(e) or isinstance(e, (RuntimeError, StopIteration, LookupError, TypeError, AttributeError))):
             raise
         detail = "no data (empty)" if isinstance(e, StopIteration) else one_line(e)
         if len(detail) > 300:

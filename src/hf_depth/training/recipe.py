@@ -127,8 +127,9 @@ class Recipe:
 POSITIVE = {
     "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.max_position_embeddings",
     "data.seq_len", "data.tokenizer_vocab_size", "train.micro_batch_size", "train.grad_accum", "train.eval_every",
-    "train.save_every", "train.keep_last", "train.log_every", "optim.lr",
+    "train.save_every", "train.keep_last", "train.log_every", "optim.lr", "data.val_sequences",
 }
+NON_NEGATIVE = {"data.val_docs", "data.shuffle_seed", "train.seed"}
 FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2"}
 TRACKERS = ("tensorboard", "wandb")
 
@@ -231,6 +232,8 @@ def _check_values(recipe: Recipe) -> None:
             key, value = f"{section}.{f.name}", getattr(getattr(recipe, section), f.name)
             if key in POSITIVE and value is not None and value <= 0:
                 raise ValueError(f"`{key}` must be positive, got {value!r}")
+            if key in NON_NEGATIVE and value < 0:
+                raise ValueError(f"`{key}` must be >= 0, got {value!r}")
             if key in FRACTIONS and not 0 <= value < 1:
                 raise ValueError(f"`{key}` must be in [0, 1), got {value!r}")
     for key in ("train.max_tokens", "train.max_steps", "model.vocab_size", "train.eval_batches"):

@@ -387,7 +387,8 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
                 grad_norm = None
                 if accelerator.sync_gradients and o.grad_clip > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
-                    if not math.isfinite(float(grad_norm)):  # the update would poison every weight
+                    # the update would poison every weight (fp16: the grad scaler skips such steps itself)
+                    if mixed != "fp16" and not math.isfinite(float(grad_norm)):
                         status = "diverged"
                         message = (f"non-finite gradient norm ({float(grad_norm)}) at step {step + 1}: stopped before "
                                    f"the update; the last good checkpoint is {last_good()}")
