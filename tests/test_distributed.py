@@ -136,6 +136,7 @@ def runs(tmp_path_factory):
     half = {"micro_batch_size": 2}
     spec = [
         {"kind": "train", "recipe": with_(base, "ddp", **half), "out": str(root / "ddp")},
+        {"kind": "fsdp_parity", "out": str(root / "fsdp_parity")},
         {"kind": "docs", "recipe": docs_recipe, "out": str(root / "docs")},
         {"kind": "train", "recipe": with_(base, "fsdp", parallel="fsdp2", **half), "out": str(root / "fsdp")},
         {"kind": "train", "recipe": with_(base, "fsdp_cut", parallel="fsdp2", **half), "stop_after": 3,
@@ -203,6 +204,20 @@ def test_ranks_read_disjoint_documents_that_make_the_single_stream(runs):
     stream = [_digest(t).hex() for t in Documents(single.data, "train").iterate()]
     assert sorted(a + b) == sorted(stream)  # together: the single-process stream, each document once
     assert len(stream) == 120 - 10  # all documents but the held-out validation ones
+
+
+def test_fsdp2_shards_every_design(runs):
+    """FSDP2 (``fully_shard`` per decoder layer, then the root) on every registered design, on CPU over gloo: the
+    loss and every gradient equal the unsharded model's on the same batch (fp32)."""
+    import hf_depth
+
+    for got in summaries(runs["root"] / "fsdp_parity"):
+        assert set(got["designs"]) == set(hf_depth.DESIGNS)
+        for design, r in got["designs"].items():
+            assert "error" not in r, (design, r)
+            assert r["sharded"].startswith("FSDP"), (design, r)
+            print(f"[dist] fsdp2 {design}: max |diff| loss/grad = {r['max_diff']:.1e}")
+            assert r["max_diff"] <= 1e-5, (design, r)
 
 
 def test_fsdp2_resume_is_bit_exact(runs):

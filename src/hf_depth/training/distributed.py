@@ -51,7 +51,10 @@ def full_value(x) -> float:
 
 def shard(model):
     """FSDP2: ``fully_shard`` each decoder layer, then the root (embedding, head, final norm, design parameters
-    outside the layers). Needs an initialized process group; a single process is left as it is."""
+    outside the layers). Needs an initialized process group; a single process is left as it is.
+
+    ``fully_shard`` refuses 0-d parameters (HC's gate scales): they stay replicated, outside FSDP, and a hook
+    averages their gradients over the ranks as soon as each is accumulated (DDP's rule for them)."""
     if not initialized() or dist.get_world_size() == 1:
         return model
     from torch.distributed.fsdp import fully_shard
@@ -59,9 +62,19 @@ def shard(model):
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"`train.parallel: fsdp2` cannot find the decoder layers of {type(model).__name__}")
+    scalars = {p for p in model.parameters() if p.dim() == 0}
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, ignored_params=scalars)
+    fully_shard(model, ignored_params=scalars)
+    world = dist.get_world_size()
+
+    def average(param):
+        dist.all_reduce(param.grad)
+        param.grad.div_(world)
+
+    for p in scalars:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(average)
     return model
 
 
