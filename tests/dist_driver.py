@@ -44,12 +44,12 @@ def main(spec_path: str) -> int:
         else:
             calls = {"n": 0}
 
-            def loss_fn(model, x, job=job, calls=calls):
+            def loss_fn(model, x, job=job, calls=calls, accum=recipe.train.grad_accum):
                 loss = real_loss(model, x)
                 if not model.training:  # validation batches are not optimizer steps
                     return loss
                 calls["n"] += 1
-                step = (calls["n"] - 1) // recipe.train.grad_accum + 1
+                step = (calls["n"] - 1) // accum + 1
                 if rank == job.get("nan_rank") and step == job.get("nan_step"):
                     loss = loss * float("nan")
                 return loss
