@@ -180,3 +180,15 @@ def test_hf_depth_eval_runs_what_has_data_and_says_what_does_not(tmp_path, capsy
     assert json.loads((run / "eval_results.json").read_text())["hfd_humaneval_nll"]["nll_per_byte"] > 0
     summary = (run / "eval" / "summary.md").read_text()
     assert "| hfd_humaneval_nll | nll_per_byte |" in summary and "Not run" in summary
+
+
+def test_model_card_evaluation_section(tmp_path):
+    from hf_depth.hub import eval_section
+
+    assert eval_section(tmp_path) is None
+    (tmp_path / "eval_results.json").write_text(json.dumps({"hfd_sciq_mc": {"acc": 0.25, "acc_norm": 0.5}}))
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "results.json").write_text(json.dumps({"config": {"limit": 20.0}}))
+    text = eval_section(tmp_path)
+    assert "| hfd_sciq_mc | acc | 0.2500 |" in text and "| hfd_sciq_mc | acc_norm | 0.5000 |" in text
+    assert "first 20 documents" in text

@@ -90,8 +90,10 @@ def context_table(report: dict) -> str:
                         f"{r['min_gen_toks_used']}) for {r['docs_gen_capped']}, prompt left-truncated for "
                         f"{r['docs_prompt_truncated']} |")
         elif r.get("docs_rolling") or r.get("docs_context_truncated"):
-            rows.append(f"| {task} | {r['docs']} | gold answer scored in rolling windows for {r['docs_rolling']} "
-                        f"({r['rolling_windows']} windows), context left-truncated for {r['docs_context_truncated']} |")
+            parts = [f"gold answer scored in rolling windows for {r['docs_rolling']} ({r['rolling_windows']} "
+                     "windows)"] if r["docs_rolling"] else []
+            parts += [f"context left-truncated for {r['docs_context_truncated']}"] if r["docs_context_truncated"] else []
+            rows.append(f"| {task} | {r['docs']} | {', '.join(parts)} |")
     if not rows:
         return ""
     length = next(iter(report.values()))["max_length"]
