@@ -117,6 +117,9 @@ class MultiStream(ResidualStream):
     def collapse(self, state: torch.Tensor) -> torch.Tensor:
         return state.mean(-2)
 
+    def depth_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state.flatten(-2)  # DepthBench: the n streams concatenated, [B, T, n d]
+
     def final(self, state: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.reduce == "sum_of_normed":
             return norm(state).sum(-2)
