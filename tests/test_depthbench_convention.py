@@ -334,3 +334,43 @@ def test_report_records_convention_and_rejects_unknown():
     assert "global_causal_score" in rep["causal"] and "global_score_weighted" in rep["permutation"]
     with pytest.raises(ValueError, match="convention"):
         run_diagnostics(model, [calib()], measurements=("causal",), show_progress=False, convention="paper")
+
+
+def _erank(m):
+    s = torch.linalg.svdvals(m.double())
+    p = s / s.sum(-1, keepdim=True)
+    return torch.exp(-(p * torch.log(p.clamp_min(1e-300))).sum(-1))
+
+
+@pytest.mark.parametrize("design", ["hc", "mhc"])
+def test_effective_rank_is_per_token(design):
+    """Figure 10: the composed residual transport mix_s ... mix_0 is formed token by token, then its effective rank
+    averaged over real tokens (not the rank of a product of token-averaged matrices)."""
+    from hf_depth.diagnostics import paths
+
+    model = perturbed(design)
+    with torch.no_grad():
+        for layer in model.model.layers:  # strongly input-dependent routing
+            for conn in layer.connections():
+                for name, p in conn.named_parameters():
+                    if "dynamic" in name:
+                        p.normal_(0, 0.5, generator=torch.Generator().manual_seed(7))
+                    if name in ("alpha_scale", "alpha_res_scale", "beta_scale"):
+                        p.fill_(2.0)
+    x = calib(b=2, t=6)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    res = paths.residual_paths(model, [(x, mask)], show_progress=False)
+    with torch.no_grad():
+        model(input_ids=x, attention_mask=mask, use_cache=False)
+    mixes = [conn.path_weights() for layer in model.model.layers for conn in layer.connections()]
+    tok = mask.bool()
+    P = torch.eye(model.config.num_streams, dtype=torch.float64).expand(int(tok.sum()), -1, -1)
+    Pm = torch.eye(model.config.num_streams, dtype=torch.float64)
+    for s, w in enumerate(mixes):
+        M = w["mix"].double()
+        M = M[tok] if M.dim() == 4 else M.expand(P.shape)
+        P = M @ P
+        Pm = w["mix"].double().reshape(-1, *Pm.shape)[(tok.reshape(-1) if M.dim() == 3 else slice(None))].mean(0) @ Pm
+        assert res["erank"][s] == pytest.approx(float(_erank(P).mean()), rel=1e-5), s
+    assert abs(res["erank_final"] - float(_erank(Pm))) > 1e-3  # the token-averaged product is a different number
