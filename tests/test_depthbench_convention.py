@@ -374,3 +374,19 @@ def test_effective_rank_is_per_token(design):
         Pm = w["mix"].double().reshape(-1, *Pm.shape)[(tok.reshape(-1) if M.dim() == 3 else slice(None))].mean(0) @ Pm
         assert res["erank"][s] == pytest.approx(float(_erank(P).mean()), rel=1e-5), s
     assert abs(res["erank_final"] - float(_erank(Pm))) > 1e-3  # the token-averaged product is a different number
+
+
+def test_model_card_section_names_the_convention(tmp_path):
+    import json
+
+    from hf_depth import hub
+
+    (tmp_path / "diagnostics").mkdir()
+    rep = {"convention": "depthbench", "causal": {"R_causal": 0.125, "global_causal_score": 0.03},
+           "permutation": {"R_perm": 0.25, "global_score_weighted": 0.02}}
+    (tmp_path / "diagnostics" / "report.json").write_text(json.dumps(rep))
+    text = hub.diagnostics_section(tmp_path)
+    assert "DepthBench's analysis conventions" in text and "| 0.0300 |" in text and "| 0.0200 |" in text
+    rep["convention"] = "branch"
+    (tmp_path / "diagnostics" / "report.json").write_text(json.dumps(rep))
+    assert "not comparable" in hub.diagnostics_section(tmp_path)
