@@ -30,6 +30,7 @@ from ..utils import flatten_dict
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
+from .results import training_flops
 
 
 class Diverged(RuntimeError):
@@ -288,6 +289,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         "params": n_params, "lr": o.lr, "steps": step, "tokens": tokens_seen, "final_loss": None,
         "final_val_loss": val_loss, "best_val_loss": best_val if math.isfinite(best_val) else None,
         "tokens_per_s": tps, "message": message,
+        "train_flops": training_flops(config, tokens_seen, recipe.data.seq_len),
     }
     if status == "diverged":
         say(f"[hf-depth] ERROR: {message}")
