@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_model
+from helpers import tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from hf_depth.training import results

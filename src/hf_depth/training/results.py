@@ -26,7 +26,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 PFLOPS_DAY = 1e15 * 86400
 
 
