@@ -29,3 +29,137 @@ def test_training_flops_grow_with_depth_at_equal_params():
 
     assert excess("pre_ln", 8, 32) > excess("pre_ln", 2, 64) > 1.0
     assert excess("hc", 2, 64) > excess("pre_ln", 2, 64)
+
+
+# ----------------------------------------------------------------------------------------------- recipes
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+
+import yaml  # noqa: E402
+
+from hf_depth.shapes import count_params, make_config  # noqa: E402
+from hf_depth.training.recipe import load_recipe  # noqa: E402
+
+RECIPES = pathlib.Path("recipes/train")
+SHARED = pathlib.Path("../shared/docs")
+# DepthBench's configs/README.md (keyu-wang-2002/DepthBench@f807aa279d04ffd6d08bc3d9f2c3a97985a1e980), transcribed
+# row by row: config -> (layers, hidden, intermediate, head_dim, backbone M, total M)
+UPSTREAM = {
+    "llama_400m_L16": (16, 1216, 3248, 76, 284, 407), "llama_400m_L20": (20, 1120, 2992, 70, 301, 414),
+    "llama_400m_L24": (24, 1024, 2736, 64, 302, 405), "llama_400m_L28": (28, 960, 2560, 60, 310, 406),
+    "llama_400m_L32": (32, 896, 2400, 56, 309, 399), "llama_400m_L42": (42, 800, 2144, 50, 324, 404),
+    "llama_400m_L70": (70, 640, 1712, 40, 345, 409),
+    "llama_300m_backbone_L16": (16, 1248, 3328, 78, 299, 425), "llama_300m_backbone_L24": (24, 1024, 2736, 64, 302, 405),
+    "llama_300m_backbone_L32": (32, 896, 2400, 56, 309, 399), "llama_300m_backbone_L42": (42, 768, 2048, 48, 297, 375),
+    "llama_300m_backbone_L70": (70, 608, 1632, 38, 312, 373), "llama_300m_backbone_L84": (84, 544, 1456, 34, 299, 354),
+    "llama_200m_L24": (24, 672, 1792, 42, 130, 198), "llama_200m_L18": (18, 768, 2048, 48, 127, 205),
+    "llama_200m_L12": (12, 896, 2400, 56, 116, 206), "llama_300m_L28": (28, 800, 2144, 50, 216, 296),
+    "llama_300m_L21": (21, 896, 2400, 56, 203, 293), "llama_300m_L14": (14, 1056, 2816, 66, 187, 294),
+    "llama_500m_L34": (34, 992, 2656, 62, 403, 502), "llama_500m_L26": (26, 1120, 2992, 70, 392, 504),
+    "llama_500m_L17": (17, 1344, 3584, 84, 368, 504),
+    "llama_1600m_L28": (28, 2048, 6144, 128, 1409, 1615), "llama_1600m_L40": (40, 1728, 5184, 108, 1433, 1607),
+    "llama_1600m_L54": (54, 1504, 4512, 94, 1466, 1617),
+}
+STEPS = {"200m": 3800, "300m": 5700, "400m": 7600, "500m": 9500, "1600m": 30400}
+TABLE4_LR = {"lns": 1e-2, "deepnorm": 1e-3}
+SUITES = ("depthbench_400m", "iso_backbone_300m", "multiscale", "1.6b")
+
+
+def source_row(path):
+    m = re.search(r"^# source: .*row (\w+)\.json", path.read_text(), re.M)
+    assert m, f"{path} does not record its source table row"
+    return m.group(1)
+
+
+def suite_recipes(suite):
+    return sorted((RECIPES / suite).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_recipe_matches_its_source_row(suite):
+    files = suite_recipes(suite)
+    assert files
+    for path in files:
+        row = source_row(path)
+        L, d, f, hd, backbone, total = UPSTREAM[row]
+        m = yaml.safe_load(path.read_text())["model"]
+        assert (m["num_hidden_layers"], m["hidden_size"], m["intermediate_size"]) == (L, d, f), path
+        assert d // m["num_attention_heads"] == hd and m["num_attention_heads"] == 16
+        cfg = make_config("pre_ln", d, L, intermediate_size=f, num_key_value_heads=m.get("num_key_value_heads"))
+        n = count_params(cfg)  # the shared backbone: DepthBench's table counts Pre-LN
+        emb = 2 * 50280 * d
+        # the table's M (1.6B: 1e-3 B) figures, rounded or truncated
+        assert abs((n - emb) / 1e6 - backbone) < 1.0 and abs(n / 1e6 - total) < 1.0, (path, n, emb)
+        r = load_recipe(path)
+        assert r.train.max_steps == STEPS[row.split("_")[1]], path  # DepthBench's fixed step budget
+        assert r.optim.warmup_frac == 0.1 and r.optim.final_lr_frac == 0.1 and r.optim.policy == "depthbench"
+        if suite == "1.6b":
+            assert r.optim.lr == 5e-4 and r.model.num_key_value_heads == 8 and f == 3 * d
+        else:
+            assert r.optim.lr == TABLE4_LR.get(m["design"], 2e-3)
+
+
+def test_suites_have_depthbench_shapes_and_designs():
+    main = {yaml.safe_load(p.read_text())["model"]["design"]: None for p in suite_recipes("depthbench_400m")}
+    assert len(main) == 10  # ten architectures
+    shapes = {}
+    for p in suite_recipes("depthbench_400m"):
+        m = yaml.safe_load(p.read_text())["model"]
+        shapes.setdefault(m["num_hidden_layers"], set()).add((m["hidden_size"], m["intermediate_size"]))
+    assert all(len(v) == 1 for v in shapes.values())  # one shape per depth, shared by every design
+    assert sorted(shapes) == [16, 20, 24, 28, 32, 42, 70]
+    totals = [count_params(make_config("pre_ln", d, L, intermediate_size=f)) for L, v in shapes.items() for d, f in v]
+    mid = count_params(make_config("pre_ln", 1024, 24, intermediate_size=2736))
+    assert max(abs(t / mid - 1) for t in totals) < 0.02145  # the paper's +-2.14%
+    # multi-scale: three aspect ratios (~28, ~43, ~75) at each of 200M..500M
+    ladder = {}
+    for p in suite_recipes("multiscale"):
+        m = yaml.safe_load(p.read_text())["model"]
+        ladder.setdefault(source_row(p).split("_")[1], set()).add(round(m["hidden_size"] / m["num_hidden_layers"]))
+    assert sorted(ladder) == ["200m", "300m", "400m", "500m"]
+    for ratios in ladder.values():
+        assert len(ratios) == 3 and min(ratios) in range(28, 30) and max(ratios) in range(74, 80)
+    # iso-backbone: the non-embedding count is what is held (~300M), not the total
+    backbones = []
+    for p in suite_recipes("iso_backbone_300m"):
+        m = yaml.safe_load(p.read_text())["model"]
+        n = count_params(make_config("pre_ln", m["hidden_size"], m["num_hidden_layers"],
+                                     intermediate_size=m["intermediate_size"]))
+        backbones.append(n - 2 * 50280 * m["hidden_size"])
+    assert all(abs(b / 302e6 - 1) < 0.035 for b in backbones)
+
+
+def test_recipes_agree_with_architectures_md_and_the_seeds():
+    arch = SHARED / "ARCHITECTURES.md"
+    if not arch.exists():
+        pytest.skip("../shared not available")
+    rows = re.findall(r"^\| (\d+) \| (\d+) \| (\d+) \| (\d+) \| [\d.]+ \| ([\d.]+)M \|$", arch.read_text(), re.M)
+    table = {int(L): (int(d), int(f), float(t)) for L, d, f, _hd, t in rows}
+    assert len(table) == 9
+    for p in suite_recipes("depthbench_400m"):
+        m = yaml.safe_load(p.read_text())["model"]
+        d, f, t = table[m["num_hidden_layers"]]
+        assert (m["hidden_size"], m["intermediate_size"]) == (d, f)
+        n = count_params(make_config("pre_ln", d, m["num_hidden_layers"], intermediate_size=f))
+        assert round(n / 1e6, 1) == t
+    seeds = " ".join(p.read_text() for p in (SHARED / "seeds").glob("*.txt"))
+    assert "3.006→2.950→2.937" in seeds  # the 1.6B suite of Figure 3: aspect ratios 27.9 .. 73.1
+    ratios = sorted(round(yaml.safe_load(p.read_text())["model"]["hidden_size"]
+                          / yaml.safe_load(p.read_text())["model"]["num_hidden_layers"], 1) for p in suite_recipes("1.6b"))
+    assert sorted(set(ratios)) == [27.9, 43.2, 73.1]
+    for r in ("27.9", "73.1"):
+        assert r in seeds
+    assert "(16, 1216)" in seeds and "(70, 640)" in seeds and "9.14" in seeds  # Table 3's extremes
+
+
+def test_llama_1b_count_of_the_scale_vector_paper():
+    """Llama-1B (L22, d1792, V50304, d_ff 4778): the paper's 1,028,065,024 parameters, 80,640 of them gammas."""
+    cfg = make_config("pre_ln", 1792, 22, vocab_size=50304, intermediate_size=4778)
+    none = make_config("pre_ln", 1792, 22, vocab_size=50304, intermediate_size=4778, scale_vector="none")
+    assert count_params(cfg) == 1_028_065_024 and count_params(cfg) - count_params(none) == 80_640
+    assert math.isclose(80_640 / 1_028_065_024, 7.844e-5, rel_tol=1e-3)
+    r = load_recipe(RECIPES / "scale_vector" / "dense_1b_best.yaml")
+    assert (r.model.num_hidden_layers, r.model.hidden_size, r.model.vocab_size, r.model.intermediate_size) == (
+        22, 1792, 50304, 4778)
+    assert r.train.tokens_per_param == 100 and r.optim.final_lr_frac == 0.05  # ~100 tokens/param, cosine to lr/20

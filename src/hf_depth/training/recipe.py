@@ -66,11 +66,15 @@ class DataRecipe:
 
 @dataclass
 class OptimRecipe:
-    """AdamW with a weight-decay policy (``hf_depth.training.optim``) and cosine-with-warmup schedule."""
+    """AdamW (or Muon + AdamW) with a weight-decay policy (``hf_depth.training.optim``) and a warmup + cosine or
+    warmup-stable-decay (``wsd``: peak until the last ``decay_frac`` of the steps, then linear) schedule."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
-    policy: Literal["depthbench", "iwd", "no_norm_decay"] = "depthbench"
+    policy: Literal["depthbench", "iwd", "no_norm_decay", "output_norm_only"] = "depthbench"
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_frac: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -127,7 +131,7 @@ POSITIVE = {
     "data.seq_len", "data.tokenizer_vocab_size", "train.micro_batch_size", "train.grad_accum", "train.eval_every",
     "train.save_every", "train.keep_last", "train.log_every", "optim.lr",
 }
-FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2"}
+FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2", "optim.decay_frac"}
 TRACKERS = ("tensorboard", "wandb")
 
 

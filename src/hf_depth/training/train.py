@@ -38,11 +38,21 @@ class Diverged(RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- pieces
-def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak."""
+def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1,
+          schedule: str = "cosine", decay_frac: float = 0.2) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak
+    (``cosine``), or peak until the last ``decay_frac`` of the steps and a linear decay to final_frac*peak there
+    (``wsd``, warmup-stable-decay)."""
     warmup = max(1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
     if step < warmup:
         return peak * (step + 1) / warmup
+    if schedule == "wsd":
+        decay = max(1, math.ceil(decay_frac * total_steps)) if decay_frac > 0 else 0
+        start = max(warmup, total_steps - decay)
+        if step < start:
+            return peak
+        progress = min(1.0, (step - start + 1) / max(1, total_steps - start))
+        return peak * (1 - (1 - final_frac) * progress)
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -178,7 +188,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     n_params = count_params(config)
     p = plan(recipe, n_params, accelerator.num_processes)
     optimizer = make_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, policy=o.policy,
-                               betas=(o.beta1, o.beta2), eps=o.eps)
+                               betas=(o.beta1, o.beta2), eps=o.eps, optimizer=o.optimizer)
     for g in optimizer.param_groups:
         g.setdefault("lr_scale", g["lr"] / o.lr)  # the policy may scale a group's learning rate
     say(f"[hf-depth] {recipe.name}: {config.design} L={config.num_hidden_layers} d={config.hidden_size} "
@@ -238,7 +248,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         if stop_after is not None and step >= stop_after:
             status = "interrupted"
             break
-        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac)
+        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac, o.schedule, o.decay_frac)
         for g in optimizer.param_groups:
             g["lr"] = lr * g["lr_scale"]
         loss_sum = 0.0
