@@ -163,3 +163,72 @@ def test_llama_1b_count_of_the_scale_vector_paper():
     assert (r.model.num_hidden_layers, r.model.hidden_size, r.model.vocab_size, r.model.intermediate_size) == (
         22, 1792, 50304, 4778)
     assert r.train.tokens_per_param == 100 and r.optim.final_lr_frac == 0.05  # ~100 tokens/param, cosine to lr/20
+
+
+# ----------------------------------------------------------------------------------------------- scale-vector arms
+from training_helpers import hf_depth_cache  # noqa: E402,F401
+
+from hf_depth.training import optim as optim_mod  # noqa: E402
+from hf_depth.training.train import lr_at, run  # noqa: E402
+
+TINY_ARM = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=4",
+            "model.intermediate_size=64", "model.vocab_size=null", "model.max_position_embeddings=64",
+            "data.source=embedded", "data.path=null", "data.name=null", "data.tokenizer=embedded",
+            "data.tokenizer_vocab_size=300", "data.seq_len=32", "data.val_docs=5", "data.val_sequences=4",
+            "train.max_steps=3", "train.micro_batch_size=2", "train.grad_accum=1", "train.eval_every=3",
+            "train.save_every=3", "train.log_every=1", "train.trackers=[]", "train.progress=false",
+            "train.mixed_precision=auto"]
+
+
+@pytest.mark.parametrize("arm", ["dense_0.12b_best", "wd_output_norm_only_0.5b_10b", "muon_0.12b_best",
+                                 "wsd_0.12b_standard", "llama_large_0.12b"])
+def test_scale_vector_arms_train_on_the_embedded_default(arm, tmp_path):
+    r = load_recipe(RECIPES / "scale_vector" / f"{arm}.yaml", [*TINY_ARM, f"run_dir={tmp_path}/{{name}}"])
+    summary = run(r)
+    assert summary["status"] == "finished" and summary["steps"] == 3 and math.isfinite(summary["final_loss"])
+    assert summary["train_flops"] > 0
+
+
+def test_output_norm_only_policy_decays_output_gammas_only():
+    model = tiny_model("sandwich_ln", num_hidden_layers=2)
+    groups = optim_mod.build_param_groups(model, "output_norm_only", 0.1)
+    by_role = {(g["role"], g["weight_decay"]) for g in groups}
+    assert ("output_norm", 0.1) in by_role and ("input_norm", 0.0) in by_role and ("matrix", 0.1) in by_role
+    assert ("input_norm", 0.1) not in by_role and ("output_norm", 0.0) not in by_role
+    with pytest.raises(ValueError, match="`policy` must be one of .*output_norm_only"):
+        optim_mod.build_param_groups(model, "decay_some", 0.1)
+
+
+def test_muon_for_block_matrices_adamw_for_the_rest():
+    assert hasattr(torch.optim, "Muon")  # torch >= 2.9 ships it (this venv: 2.13)
+    model = tiny_model("pre_ln", num_hidden_layers=2)
+    opt = optim_mod.make_optimizer(model, lr=1e-3, optimizer="muon")
+    muon = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    adamw = {id(p) for g in opt.adamw.param_groups for p in g["params"]}
+    assert id(model.model.layers[0].self_attn.q_proj.weight) in muon
+    for p in (model.model.embed_tokens.weight, model.lm_head.weight, model.model.layers[0].input_layernorm.weight):
+        assert id(p) in adamw and id(p) not in muon
+    assert muon | adamw == {id(p) for p in model.parameters()} and not muon & adamw
+    x = torch.randint(2, 97, (2, 8))
+    before = model.model.layers[0].self_attn.q_proj.weight.clone()
+    for g in opt.param_groups:  # the training loop sets the LR through param_groups
+        g["lr"] = 2e-3
+    model(x, labels=x).loss.backward()
+    opt.step()
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)
+    assert all(g["lr"] == 2e-3 for g in opt.muon.param_groups + opt.adamw.param_groups)
+    sd = opt.state_dict()
+    opt2 = optim_mod.make_optimizer(model, lr=1e-3, optimizer="muon")
+    opt2.load_state_dict(sd)
+    assert len(opt2.muon.state) == len(opt.muon.state) > 0
+    with pytest.raises(ValueError, match="`optimizer` must be one of"):
+        optim_mod.make_optimizer(model, lr=1e-3, optimizer="sgd")
+
+
+def test_wsd_schedule():
+    total, peak = 100, 1.0
+    lrs = [lr_at(s, total, peak, 0.1, 0.05, "wsd", 0.2) for s in range(total)]
+    assert lrs[9] == peak and all(v == peak for v in lrs[10:80])  # warmup 10, stable until the last 20
+    assert lrs[-1] == pytest.approx(0.05) and all(a > b for a, b in zip(lrs[80:], lrs[81:]))
+    cos = [lr_at(s, total, peak, 0.1, 0.05) for s in range(total)]
+    assert cos[50] < peak and cos[-1] == pytest.approx(0.05, abs=1e-3)
