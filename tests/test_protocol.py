@@ -232,3 +232,29 @@ def test_wsd_schedule():
     assert lrs[-1] == pytest.approx(0.05) and all(a > b for a, b in zip(lrs[80:], lrs[81:]))
     cos = [lr_at(s, total, peak, 0.1, 0.05) for s in range(total)]
     assert cos[50] < peak and cos[-1] == pytest.approx(0.05, abs=1e-3)
+
+
+def test_deepnorm_layernorm_without_bias_follows_depthbench():
+    with_bias = tiny_model("deepnorm", num_hidden_layers=3)
+    model = tiny_model("deepnorm", num_hidden_layers=3, deepnorm_norm_bias=False)
+    names = [n for n, _ in model.named_parameters()]
+    assert not any(n.endswith("connection.norm.bias") for n in names)
+    assert any(n.endswith("connection.norm.bias") for n, _ in with_bias.named_parameters())  # default unchanged
+    n = sum(p.numel() for p in model.parameters())
+    # 2L block LayerNorms and the final one (a LayerNorm too unless deepnorm_final_norm="rms") lose d each
+    assert n == count_params(model.config) == sum(p.numel() for p in with_bias.parameters()) - (2 * 3 + 1) * 32
+    with pytest.raises(ValueError, match="deepnorm_norm_bias"):
+        tiny_model("deepnorm", deepnorm_norm_bias="no")
+
+
+def test_olmo_core_deepnorm_converts_bias_free_on_request():
+    from hf_depth.olmo_core import hf_depth_to_olmo_core, olmo_core_to_hf_depth
+
+    model = tiny_model("deepnorm", num_hidden_layers=2, deepnorm_norm_bias=False, deepnorm_final_norm="rms")
+    sd = hf_depth_to_olmo_core(model)
+    assert not any(k.endswith("attention_norm.bias") for k in sd)
+    conv = olmo_core_to_hf_depth(sd, "deepnorm", deepnorm_norm_bias=False, num_attention_heads=4,
+                                 num_key_value_heads=2)
+    assert conv.config.deepnorm_norm_bias is False
+    x = torch.randint(2, 97, (2, 7))
+    torch.testing.assert_close(conv.eval()(x).logits, model(x).logits, rtol=0, atol=0)
