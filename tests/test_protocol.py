@@ -258,3 +258,22 @@ def test_olmo_core_deepnorm_converts_bias_free_on_request():
     assert conv.config.deepnorm_norm_bias is False
     x = torch.randint(2, 97, (2, 7))
     torch.testing.assert_close(conv.eval()(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+def test_hires_extra_flops_are_counted():
+    """The analytic extra matmul FLOPs of HiRes (read/write projections) equal what FlopCounterMode measures over
+    a Pre-LN model of the same shape, and enter the training FLOPs."""
+    from hf_depth.diagnostics.cost import prefill_flops
+
+    kw = dict(num_hidden_layers=4, attn_implementation="eager")
+    hires, pre = tiny_model("hires", hires_block_layers=2, **kw), tiny_model("pre_ln", **kw)
+    T = 16
+    x = torch.randint(2, 97, (1, T))
+    counted = []
+    for m in (hires, pre):
+        with torch.no_grad(), FlopCounterMode(display=False) as c:
+            m(x, use_cache=False)
+        counted.append(c.get_total_flops())
+    f = prefill_flops(hires.config, T)
+    assert f["extra_matmul"] > 0 and f["extra_matmul"] == pytest.approx(counted[0] - counted[1], rel=0.01)
+    assert results.training_flops(hires.config, 10**6, T) > results.training_flops(pre.config, 10**6, T)
