@@ -63,7 +63,13 @@ def tier(config: str) -> str:
     return config.split("_")[1]
 
 
+def default_ffn(d: int) -> int:
+    return make_config("pre_ln", d, 1).intermediate_size  # ceil16(8d/3), DepthBench's rule
+
+
 def recipe(name: str, design: str, L: int, d: int, lr: float, steps: int | None = None, **model) -> dict:
+    if model.get("intermediate_size") == default_ffn(d):
+        del model["intermediate_size"]  # derived from d (so a sweep over widths keeps DepthBench's rule)
     train = dict(TRAIN)
     if steps is not None:
         train = {"max_steps": steps, **train}

@@ -84,6 +84,7 @@ def test_every_recipe_matches_its_source_row(suite):
         row = source_row(path)
         L, d, f, hd, backbone, total = UPSTREAM[row]
         m = yaml.safe_load(path.read_text())["model"]
+        m.setdefault("intermediate_size", make_config("pre_ln", m["hidden_size"], 1).intermediate_size)
         assert (m["num_hidden_layers"], m["hidden_size"], m["intermediate_size"]) == (L, d, f), path
         assert d // m["num_attention_heads"] == hd and m["num_attention_heads"] == 16
         cfg = make_config("pre_ln", d, L, intermediate_size=f, num_key_value_heads=m.get("num_key_value_heads"))
@@ -100,12 +101,18 @@ def test_every_recipe_matches_its_source_row(suite):
             assert r.optim.lr == TABLE4_LR.get(m["design"], 2e-3)
 
 
+def _model(p):
+    m = yaml.safe_load(p.read_text())["model"]
+    m.setdefault("intermediate_size", make_config("pre_ln", m["hidden_size"], 1).intermediate_size)
+    return m
+
+
 def test_suites_have_depthbench_shapes_and_designs():
     main = {yaml.safe_load(p.read_text())["model"]["design"]: None for p in suite_recipes("depthbench_400m")}
     assert len(main) == 10  # ten architectures
     shapes = {}
     for p in suite_recipes("depthbench_400m"):
-        m = yaml.safe_load(p.read_text())["model"]
+        m = _model(p)
         shapes.setdefault(m["num_hidden_layers"], set()).add((m["hidden_size"], m["intermediate_size"]))
     assert all(len(v) == 1 for v in shapes.values())  # one shape per depth, shared by every design
     assert sorted(shapes) == [16, 20, 24, 28, 32, 42, 70]
@@ -123,7 +130,7 @@ def test_suites_have_depthbench_shapes_and_designs():
     # iso-backbone: the non-embedding count is what is held (~300M), not the total
     backbones = []
     for p in suite_recipes("iso_backbone_300m"):
-        m = yaml.safe_load(p.read_text())["model"]
+        m = _model(p)
         n = count_params(make_config("pre_ln", m["hidden_size"], m["num_hidden_layers"],
                                      intermediate_size=m["intermediate_size"]))
         backbones.append(n - 2 * 50280 * m["hidden_size"])
@@ -138,7 +145,7 @@ def test_recipes_agree_with_architectures_md_and_the_seeds():
     table = {int(L): (int(d), int(f), float(t)) for L, d, f, _hd, t in rows}
     assert len(table) == 9
     for p in suite_recipes("depthbench_400m"):
-        m = yaml.safe_load(p.read_text())["model"]
+        m = _model(p)
         d, f, t = table[m["num_hidden_layers"]]
         assert (m["hidden_size"], m["intermediate_size"]) == (d, f)
         n = count_params(make_config("pre_ln", d, m["num_hidden_layers"], intermediate_size=f))
