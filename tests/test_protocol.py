@@ -284,3 +284,12 @@ def test_hires_extra_flops_are_counted():
     f = prefill_flops(hires.config, T)
     assert f["extra_matmul"] > 0 and f["extra_matmul"] == pytest.approx(counted[0] - counted[1], rel=0.01)
     assert results.training_flops(hires.config, 10**6, T) > results.training_flops(pre.config, 10**6, T)
+
+
+def test_results_separate_scale_vector_arms():
+    rows = [{"status": "finished", "design": "pre_ln", "num_hidden_layers": 2, "hidden_size": 32, "params": 10,
+             "lr": 1e-3, "best_val_loss": 3.0 + i, "tokens": 100, "train_flops": 10**18, "scale_vector": sv}
+            for i, sv in enumerate(("standard", "best"))]
+    best = results.best_per_shape(rows)
+    assert sorted(r["design"] for r in best) == ["pre_ln", "pre_ln+best"]
+    assert all(r["pflops_days"] == pytest.approx(10**18 / results.PFLOPS_DAY, rel=1e-3) for r in best)

@@ -48,8 +48,15 @@ def collect(root: str | Path) -> list[dict]:
     return rows
 
 
+def arm(r: dict) -> str:
+    """A run's design label: the design, with its scale-vector variant unless ``standard`` (``pre_ln+best``)."""
+    sv = r.get("scale_vector", "standard")
+    return r["design"] if sv in (None, "standard") else f"{r['design']}+{sv}"
+
+
 def best_per_shape(rows: list[dict]) -> list[dict]:
-    """One row per (design, L, d): the learning rate with the lowest best validation loss."""
+    """One row per (design label, L, d): the learning rate with the lowest best validation loss."""
+    rows = [{**r, "design": arm(r)} for r in rows]
     best: dict[tuple, dict] = {}
     for r in rows:
         if r.get("status") != "finished" or r.get("best_val_loss") is None:

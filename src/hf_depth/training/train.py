@@ -300,6 +300,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         "final_val_loss": val_loss, "best_val_loss": best_val if math.isfinite(best_val) else None,
         "tokens_per_s": tps, "message": message,
         "train_flops": training_flops(config, tokens_seen, recipe.data.seq_len),
+        "scale_vector": recipe.model.scale_vector,
     }
     if status == "diverged":
         say(f"[hf-depth] ERROR: {message}")
