@@ -293,3 +293,8 @@ def test_results_separate_scale_vector_arms():
     best = results.best_per_shape(rows)
     assert sorted(r["design"] for r in best) == ["pre_ln", "pre_ln+best"]
     assert all(r["pflops_days"] == pytest.approx(10**18 / results.PFLOPS_DAY, rel=1e-3) for r in best)
+
+
+def test_muon_with_fsdp2_is_refused_at_config_time():
+    with pytest.raises(ValueError, match="`optim.optimizer` 'muon' needs `train.parallel` 'ddp'"):
+        load_recipe(RECIPES / "scale_vector" / "muon_0.12b_best.yaml", ["train.parallel=fsdp2"])

@@ -245,6 +245,9 @@ def _check_values(recipe: Recipe) -> None:
         raise ValueError("`data.data_files` is required when `data.source` is 'memmap' (.bin/.npy token files)")
     if d.tokenizer == "embedded" and d.tokenizer_vocab_size < 260:
         raise ValueError(f"`data.tokenizer_vocab_size` must be >= 260 (256 bytes + specials), got {d.tokenizer_vocab_size}")
+    if recipe.optim.optimizer == "muon" and recipe.train.parallel == "fsdp2":
+        raise ValueError("`optim.optimizer` 'muon' needs `train.parallel` 'ddp' (Muon's orthogonalization works on "
+                         "whole matrices, not FSDP2 shards); allowed with fsdp2: 'adamw'")
     if recipe.optim.weight_decay < 0 or recipe.optim.grad_clip < 0 or recipe.optim.eps <= 0:
         raise ValueError("`optim.weight_decay` and `optim.grad_clip` must be >= 0 and `optim.eps` > 0")
     if recipe.train.tokens_per_param <= 0:
