@@ -118,7 +118,14 @@ def diagnostics_section(run_dir: str | Path) -> str | None:
             rows.append(f"| {label} | {h[key]:.4f} |")
     if h.get("pruning_delta") is not None:
         rows.append("| loss increase when layer l is pruned | " + ", ".join(f"{x:+.3f}" for x in h["pruning_delta"]) + " |")
-    return "\n".join(rows) + "\n\nFrom `hf-depth diagnose` (`diagnostics/report.json` of the run)."
+    for key, label in (("global_causal_score", "global causal score (DepthBench)"),
+                       ("global_permutation_weighted", "0.9^l-weighted permutation score (DepthBench)")):
+        if h.get(key) is not None:
+            rows.append(f"| {label} | {h[key]:.4f} |")
+    conv = h.get("convention", "branch")
+    note = ("DepthBench's analysis conventions (comparable with its Figures 5, 6, 8)" if conv == "depthbench"
+            else "the branch convention (branches zeroed / swapped): not comparable with DepthBench's figures")
+    return "\n".join(rows) + f"\n\nFrom `hf-depth diagnose` (`diagnostics/report.json` of the run), {note}."
 
 
 def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: dict | None = None,

@@ -46,7 +46,8 @@ Per design (DepthBench block type -> hf_depth design):
 * ``deepnorm`` -> ``deepnorm``: DepthBench's DeepNorm block re-uses the input-norm modules as the post-add
   norms (``LN(alpha x + F(x))``): ``blocks.i.attention_norm.{weight,bias}`` -> ``layers.i.attn_connection.norm``,
   ``blocks.i.feed_forward_norm.{weight,bias}`` -> ``layers.i.mlp_connection.norm`` (LayerNorm; a block LayerNorm
-  saved without bias gets a zero bias, the same function). ``examples/pretrain_deepnorm.py`` switches only the
+  saved without bias gets a zero bias, the same function; pass ``deepnorm_norm_bias=False`` for DepthBench's
+  bias-free LayerNorm exactly). ``examples/pretrain_deepnorm.py`` switches only the
   *block* norms to LayerNorm, so ``lm_head.norm`` is an RMSNorm (weight only): the config gets
   ``deepnorm_final_norm="rms"``; with ``lm_head.norm.bias`` present it stays a LayerNorm.
 * ``keel`` -> ``keel``: as ``default`` plus ``blocks.i.post_attention_norm`` (i > 0; block 0 has none, as in
@@ -271,7 +272,7 @@ def _layer_peri_norm(config, i, opts):
 
 
 def _layer_deepnorm(config, i, opts):
-    L, ln = f"model.layers.{i}", config.norm_kind == "layer"
+    L, ln = f"model.layers.{i}", config.norm_kind == "layer" and config.norm_bias
     return (
         _branches(config, i, opts["fused_qkv"])
         + _norm(f"blocks.{i}.attention_norm", f"{L}.attn_connection.norm", config, layer_norm=ln)

@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from .conventions import CONVENTIONS, DEFAULT
 from .data import DEFAULT_DATASET, load_calibration
 from .report import MEASUREMENTS, headline, run_diagnostics, write_report
 
@@ -35,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per cost measurement (median)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--convention", choices=CONVENTIONS, default=DEFAULT,
+                   help="skip/swap/state semantics: depthbench (DepthBench's analysis code, default) or branch")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     device = next(model.parameters()).device
     batches = [b.to(device) for b in batches]
     report = run_diagnostics(model, batches, args.only, args.flops_seq_len, not args.no_measure_cost,
-                             args.measure_seq_len, args.repeats, show_progress=not args.no_progress)
+                             args.measure_seq_len, args.repeats, show_progress=not args.no_progress,
+                             convention=args.convention)
     report["args"] = {k: v for k, v in vars(args).items()}
     files = write_report(report, args.out)
     print(json.dumps({"headline": headline(report), "files": files, "seconds": report["timing_s"]["total"]},

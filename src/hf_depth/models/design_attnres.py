@@ -152,6 +152,12 @@ class AttnResConnection(SublayerConnection):
             return (*state[:-1], state[-1] + out)
         return (*state, out)
 
+    def depth_mixer(self):
+        return self.aggregate
+
+    def boundary_mixer(self):
+        return self.aggregate if self.sublayer_idx % self.block_size == 0 else None
+
     def path_weights(self):
         """``{"weights": [K], "members": [K, 2L + 1]}`` (token-mean softmax of the last forward; which base
         sources -- embedding, sublayer outputs -- each aggregated source sums), or None for sublayer 0."""
@@ -176,6 +182,12 @@ class AttnResStream(ResidualStream):
 
     def collapse(self, state):
         return torch.stack(state).sum(0)
+
+    def depth_state(self, state):
+        return state[-1]  # DepthBench's block output: the running partial sum (the last source)
+
+    def depth_mixer(self):
+        return self.aggregate
 
     def final(self, state, norm):
         return norm(self.aggregate(state))

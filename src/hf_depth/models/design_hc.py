@@ -117,6 +117,9 @@ class MultiStream(ResidualStream):
     def collapse(self, state: torch.Tensor) -> torch.Tensor:
         return state.mean(-2)
 
+    def depth_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state.flatten(-2)  # DepthBench: the n streams concatenated, [B, T, n d]
+
     def final(self, state: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.reduce == "sum_of_normed":
             return norm(state).sum(-2)
@@ -177,8 +180,8 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
             x, mixed, write_weights, seen = self.route(state)
         self._pending = (mixed, write_weights)
         if not torch.compiler.is_compiling():
-            # last-seen token means (all positions, padding included), for diagnostics only
-            self._seen = {k: _token_mean(v.detach(), 2 if k == "res" else 1) for k, v in seen.items()}
+            # last-seen weights (per token [B, T, ...] where input-dependent), for diagnostics only
+            self._seen = {k: v.detach() for k, v in seen.items()}
         return x if norm is None else norm(x)
 
     def write(self, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -197,11 +200,16 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
 
         ``pre`` [n]: branch input x = sum_i pre_i H_i; ``res`` [n, n]: H'_t = sum_i res[t, i] H_i + post_t y;
         ``post`` [n]. Keys ``static_*`` are the input-independent parts (the weights at a zero dynamic term);
-        ``pre``/``res``/``post`` (present after a forward) are the token means of the last forward's weights.
+        ``pre``/``res``/``post`` (present after a forward) are the token means of the last forward's weights and
+        ``read``/``mix``/``write`` the same weights per token (``[B, T, ...]``; static where input-independent).
         """
         out = {f"static_{k}": v for k, v in self.static_weights().items()}
         if self._seen is not None:
-            out.update({k: v.float() for k, v in self._seen.items()})
+            out.update({k: _token_mean(v, 2 if k == "res" else 1).float() for k, v in self._seen.items()})
+            # the same weights per token, as the canonical transport (``diagnostics.paths``): products of mixing
+            # matrices are formed token by token (Figure 10's effective rank), not from token means
+            out.update({"read": self._seen["pre"].float(), "mix": self._seen["res"].float(),
+                        "write": self._seen["post"].float()})
         return out
 
     def parameter_roles(self) -> dict[str, str]:

@@ -109,6 +109,12 @@ class MoDADecoderLayer(DepthDecoderLayer):
         self.kv_proj = None if last else nn.Linear(config.hidden_size, 2 * kv, bias=False)
         self.mask_depth = False  # True: every depth slot masked out of the softmax (then == Pre-LN attention)
 
+    def skipped(self, state):
+        """DepthBench: a removed block writes no depth K/V, its slots stay zero (they still enter the softmax)."""
+        h = state[0]
+        zero = h.new_zeros(h.shape[0], self.num_kv_heads, h.shape[1], self.head_dim)
+        return (*state, *([zero] * (2 if self.kv_proj is None else 4)))
+
     def forward(self, state, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
         h, depth = state[0], tuple(state[1:])
         x = self.attn_connection.read(h, self.input_layernorm)

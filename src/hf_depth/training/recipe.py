@@ -68,11 +68,15 @@ class DataRecipe:
 
 @dataclass
 class OptimRecipe:
-    """AdamW with a weight-decay policy (``hf_depth.training.optim``) and cosine-with-warmup schedule."""
+    """AdamW (or Muon + AdamW) with a weight-decay policy (``hf_depth.training.optim``) and a warmup + cosine or
+    warmup-stable-decay (``wsd``: peak until the last ``decay_frac`` of the steps, then linear) schedule."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
-    policy: Literal["depthbench", "iwd", "no_norm_decay"] = "depthbench"
+    policy: Literal["depthbench", "iwd", "no_norm_decay", "output_norm_only"] = "depthbench"
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_frac: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -133,7 +137,7 @@ POSITIVE = {
     "train.save_every", "train.keep_last", "train.log_every", "optim.lr", "data.val_sequences",
 }
 NON_NEGATIVE = {"data.val_docs", "data.shuffle_seed", "train.seed"}
-FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2"}
+FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2", "optim.decay_frac"}
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -254,6 +258,9 @@ def _check_values(recipe: Recipe) -> None:
         raise ValueError("`data.data_files` is required when `data.source` is 'memmap' (.bin/.npy token files)")
     if d.tokenizer == "embedded" and d.tokenizer_vocab_size < 260:
         raise ValueError(f"`data.tokenizer_vocab_size` must be >= 260 (256 bytes + specials), got {d.tokenizer_vocab_size}")
+    if recipe.optim.optimizer == "muon" and recipe.train.parallel == "fsdp2":
+        raise ValueError("`optim.optimizer` 'muon' needs `train.parallel` 'ddp' (Muon's orthogonalization works on "
+                         "whole matrices, not FSDP2 shards); allowed with fsdp2: 'adamw'")
     if recipe.optim.weight_decay < 0 or recipe.optim.grad_clip < 0 or recipe.optim.eps <= 0:
         raise ValueError("`optim.weight_decay` and `optim.grad_clip` must be >= 0 and `optim.eps` > 0")
     if recipe.train.tokens_per_param <= 0:

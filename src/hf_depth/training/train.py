@@ -42,6 +42,7 @@ from . import distributed
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
+from .results import training_flops
 
 
 class Diverged(RuntimeError):
@@ -137,11 +138,21 @@ def restore_rng(ckpt: Path, process_index: int, ignore: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- pieces
-def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak."""
+def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1,
+          schedule: str = "cosine", decay_frac: float = 0.2) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak
+    (``cosine``), or peak until the last ``decay_frac`` of the steps and a linear decay to final_frac*peak there
+    (``wsd``, warmup-stable-decay)."""
     warmup = max(1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
     if step < warmup:
         return peak * (step + 1) / warmup
+    if schedule == "wsd":
+        decay = max(1, math.ceil(decay_frac * total_steps)) if decay_frac > 0 else 0
+        start = max(warmup, total_steps - decay)
+        if step < start:
+            return peak
+        progress = min(1.0, (step - start + 1) / max(1, total_steps - start))
+        return peak * (1 - (1 - final_frac) * progress)
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -292,7 +303,7 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
     n_params = count_params(config)
     p = plan(recipe, n_params, accelerator.num_processes)
     optimizer = make_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, policy=o.policy,
-                               betas=(o.beta1, o.beta2), eps=o.eps)
+                               betas=(o.beta1, o.beta2), eps=o.eps, optimizer=o.optimizer)
     for g in optimizer.param_groups:
         g.setdefault("lr_scale", g["lr"] / o.lr)  # the policy may scale a group's learning rate
     say(f"[hf-depth] {recipe.name}: {config.design} L={config.num_hidden_layers} d={config.hidden_size} "
@@ -397,7 +408,7 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
         if stop_after is not None and step >= stop_after:
             status = "interrupted"
             break
-        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac)
+        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac, o.schedule, o.decay_frac)
         for g in optimizer.param_groups:
             g["lr"] = lr * g["lr_scale"]
         loss_sum = 0.0
@@ -465,6 +476,8 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
         "params": n_params, "lr": o.lr, "steps": step, "tokens": tokens_seen, "final_loss": None,
         "final_val_loss": val_loss, "best_val_loss": best_val if math.isfinite(best_val) else None,
         "tokens_per_s": tps, "message": message,
+        "train_flops": training_flops(config, tokens_seen, recipe.data.seq_len),
+        "scale_vector": recipe.model.scale_vector,
     }
     if status == "diverged":
         say(f"[hf-depth] ERROR: {message}")
