@@ -105,15 +105,29 @@ Per design (DepthBench block type -> hf_depth design):
   ``blocks.i.feed_forward.kv_proj.weight`` [2 * n_kv * hd, d] (rows [k | v]; absent in the last block) ->
   ``model.layers.i.kv_proj.weight`` (same layout).
 
-The converter maps parameters; it cannot change what a design computes. Differences between DepthBench's
-forward passes and hf_depth's, as stored (so a converted model matches only where both agree):
+Where DepthBench's forward differs from hf_depth's defaults, the converter sets the config fields that express
+DepthBench's function (given fields win; new hf_depth models keep the defaults). Each is tested against an
+independent re-implementation of DepthBench's forward written from its source (``tests/depthbench_reference.py``):
 
-* HC: one stored ``hyper_connections.py`` writes ``H' = A_r^T H + beta y`` (paper, = hf_depth); another,
-  ``H' = H + beta y`` (``A_r`` unused). Checkpoints of the second variant match only while ``A_r`` = I.
-* MoDA: DepthBench caches the depth key *before* RoPE and reads it with the rotated query; hf_depth rotates
-  depth keys at the token's own position (so ``q . K`` is the unrotated product).
-* mHC torch/static backends: the Sinkhorn residual above; Liger's Sinkhorn (exp + eps) vs hf_depth's log
-  domain: the same fixed point, 1e-6-level differences.
+* AttnRes (``kernels/attnres.py``; norms built without an eps in ``block.py``): ``attnres_norm_eps=1e-5`` for the
+  key norms and the fused output norm of every aggregation.
+* MoDA (``nn/moda.py``: depth keys cached before RoPE, FFN ``kv_proj`` keys never rotated):
+  ``moda_depth_rope="unrotated"``.
+* HC: two stored ``hyper_connections.py`` versions, ``H' = A_r^T H + beta y`` (@ 8cc2fd7) and the earlier
+  ``H' = H + beta y`` (@ 5152cab), with identical state dicts: the version is **never guessed**,
+  ``hc_stream_mixing`` (True / False) must be given.
+* mHC torch backends (``mhc``, ``mhc_static``): ``mhc_sinkhorn_order="columns_first"`` (hf_depth stores R^T, and
+  the transpose of DepthBench's rows-first Sinkhorn is a columns-first one, so H_res is equal, 20-iteration
+  residual included); ``mhc``: ``mhc_dynamic_tanh=True`` (``gate * tanh(proj) + bias``), ``mhc_norm_eps=1e-8``.
+  ``liger_mhc``: Liger's Sinkhorn (exp + 1e-6 per step) vs hf_depth's log domain: the same limit,
+  ~1e-5 logit differences at the tested scale.
+
+Values that change the logits and no tensor shape tells -- ``num_attention_heads``, ``rope_theta`` (OLMo-core's
+default is 500000, hf_depth's 10000), ``rms_norm_eps`` (and the HC version) -- are read from OLMo-core's
+``config.json`` (``model.block.sequence_mixer.n_heads`` / ``.rope.theta``, ``model.block.layer_norm.eps``; a saved
+``eps: null`` is OLMo-core's 1e-5) or given (``--set``, keyword arguments); otherwise the conversion is refused in
+one line naming them. A converted model carries ``model.olmo_core_source`` (block type, backend, HC version, the
+fields set), which the CLI writes into the folder's model card (``hub.write_conversion_card``).
 
 Prefixes ``model.`` (trainer state), ``_orig_mod.`` (``torch.compile``) and ``_checkpoint_wrapped_module.``
 (activation checkpointing) are stripped on load. Tokenizer settings: DepthBench's GPT-NeoX/OLMo tokenizer,
