@@ -175,6 +175,37 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
     return path
 
 
+def write_conversion_card(folder: str | Path, model, source: dict, src: str | None = None,
+                          repo_id: str | None = None) -> Path:
+    """Write ``folder/README.md`` for a converted checkpoint: its source (format, block type, backend, version)
+    and the config fields set to match the source's forward (``source`` from ``olmo_core.source_record``)."""
+    from . import __version__
+    from .models.registry import DESIGNS
+
+    folder, cfg = Path(folder), model.config
+    design = cfg.design
+    entry = DESIGNS.get(design)
+    repo_id = repo_id or f"hf-depth/{Path(str(src or folder)).name}-{design}"
+    rows = [("source format", source.get("format", "?")), ("source checkpoint", f"`{src}`" if src else "n/a")]
+    rows += [(k.replace("_", " "), f"`{v}`") for k, v in source.items() if k not in ("format", "fields")]
+    fm = {"library_name": "transformers", "license": "apache-2.0", "pipeline_tag": "text-generation",
+          "tags": ["hf_depth", f"hf_depth_{design}", "custom_code", "depth-scaling", "causal-lm", "olmo-core",
+                   "depthbench"]}
+    text = resources.files("hf_depth").joinpath("data/converted_card_template.md").read_text()
+    card = string.Template(text).safe_substitute(
+        front_matter=yaml.safe_dump(fm, sort_keys=False).strip(), title=repo_id.split("/")[-1], design=design,
+        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, params=f"{sum(p.numel() for p in model.parameters()):,}",
+        format=source.get("format", "OLMo-core"), block_type=source.get("block_type", "?"), version=__version__,
+        design_summary=(entry.paper if entry and entry.paper else f"The `{design}` residual design."),
+        equation=entry.summary if entry and entry.summary else design,
+        source_rows="\n".join(f"| {k} | {v} |" for k, v in rows),
+        field_rows="\n".join(f"| `{k}` | `{v}` |" for k, v in source.get("fields", {}).items()), repo_id=repo_id,
+    )
+    path = folder / "README.md"
+    path.write_text(card)
+    return path
+
+
 def export(run_dir: str | Path, out: str | Path | None = None, repo_id: str | None = None) -> Path:
     """Write the Hub-ready folder of a finished run (default ``RUN/export``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig

@@ -202,9 +202,10 @@ class LayerNorm(_ScaledNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.gamma()
-        w = None if g is None else g.float()
-        b = None if self.bias is None else self.bias.float()
-        return nn.functional.layer_norm(x.float(), (self.dim,), w, b, self.eps).to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for narrower floats, float64 kept
+        w = None if g is None else g.to(acc)
+        b = None if self.bias is None else self.bias.to(acc)
+        return nn.functional.layer_norm(x.to(acc), (self.dim,), w, b, self.eps).to(x.dtype)
 
     def reset_design_parameters(self) -> None:
         super().reset_design_parameters()
