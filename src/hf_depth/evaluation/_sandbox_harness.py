@@ -12,7 +12,8 @@ harness
    hooks and the trace/profile functions, and runs the tests in a copy of the candidate's namespace with a
    private copy of the builtins;
 4. only if both ran to their last statement without raising anything (``BaseException``: ``SystemExit`` and
-   ``KeyboardInterrupt`` are failures too) writes the token to ``result_fd`` and ends the process at once.
+   ``KeyboardInterrupt`` are failures too), in the process it started in (not in a forked child), writes the
+   token to ``result_fd`` and ends the process at once.
 
 The parent counts a pass only when exactly that token arrives. Every other way of ending (``sys.exit``,
 ``os._exit``, signals, ``atexit``, exit status 0 from anywhere) never writes it.
@@ -30,7 +31,8 @@ import types
 def _harness():
 
     program, policy = sys.argv[1], json.loads(sys.argv[2])
-    write, read, close, _exit, dup = os.write, os.read, os.close, os._exit, os.dup
+    write, read, close, _exit, dup, getpid = os.write, os.read, os.close, os._exit, os.dup, os.getpid
+    main_pid = getpid()
     token = b""
     while True:
         chunk = read(policy["token_fd"], 256)
@@ -51,8 +53,16 @@ def _harness():
         candidate, tests = source, ""
     test_offset = (candidate + marker).count("\n")
 
+    def flush():
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+
     def fail(stage):
         try:
+            flush()
             text = f"[sandbox] the {stage} raised:\n" + traceback.format_exc()
             write(err_fd, text.encode("utf-8", "replace"))
         finally:
@@ -81,12 +91,9 @@ def _harness():
             exec(test_code, namespace)
     except BaseException:
         fail("tests")
-    try:
-        for stream in (sys.__stdout__, sys.__stderr__):
-            stream.flush()
-    except BaseException:
-        pass
-    write(result_fd, token)
+    flush()
+    if getpid() == main_pid:   # a forked child that ran on to here proves nothing: only the program's process
+        write(result_fd, token)
     _exit(0)
 
 
