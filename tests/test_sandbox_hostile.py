@@ -23,11 +23,11 @@ TESTS = """
 import math
 
 def check(candidate):
-    assert candidate(2, 3) == 5
-    assert abs(candidate(1.5, 1.5) - 3.0) < 1e-9
+    assert abs(candidate(2, 3) - 5) < 1e-9
     assert math.isclose(candidate(0.1, 0.2), 0.3)
-    assert all([candidate(i, i) == 2 * i for i in range(3)])
-    assert len([candidate(1, 1)]) == 1 and isinstance(candidate(1, 1), int)
+    assert all([candidate(i, i) == 2 * i for i in range(1, 3)])
+    assert len([x for x in [candidate(1, 1)] if x == 2]) == 1
+    return None
 
 check(add)
 """
@@ -75,26 +75,33 @@ EARLY_EXITS = {
                                      "it = g(); next(it); del it\nraise ValueError",
 }
 
+# every way of making abs / math.isclose / all / len lie to the tests
+_LIES = "lambda x: 0", "lambda *a, **k: True", "lambda it: True", "lambda x: 1"
 HARNESS_TRICKS = {
-    "builtins.abs": "builtins.abs = lambda x: 0\nbuiltins.all = lambda it: True",
-    "builtins.len/isinstance": "builtins.len = lambda x: 1\nbuiltins.isinstance = lambda *a: True",
-    "__builtins__ dict": "b = __builtins__ if isinstance(__builtins__, dict) else __builtins__.__dict__\n"
-                         "b['abs'] = lambda x: 0",
-    "builtins.print/AssertionError": "builtins.print = lambda *a, **k: os._exit(0)\n"
-                                     "builtins.AssertionError = type('AE', (Exception,), {})",
-    "builtins.__build_class__/exec": "builtins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: None",
-    "math.isclose patched": "import math\nmath.isclose = lambda *a, **k: True\nbuiltins.abs = lambda x: 0",
-    "sys.modules math faked": "import types\nm = types.ModuleType('math'); m.isclose = lambda *a, **k: True\n"
-                              "sys.modules['math'] = m",
+    "builtins + math patched": "import math\nbuiltins.abs, math.isclose, builtins.all, builtins.len = " + ", ".join(_LIES),
+    "__builtins__ dict": "import math\nb = __builtins__ if isinstance(__builtins__, dict) else __builtins__.__dict__\n"
+                         "b['abs'], math.isclose, b['all'], b['len'] = " + ", ".join(_LIES),
+    "setattr on builtins/math": "import math\nfor m, k, v in ((builtins, 'abs', %s), (math, 'isclose', %s), "
+                                "(builtins, 'all', %s), (builtins, 'len', %s)):\n    setattr(m, k, v)" % _LIES,
+    "sys.modules math faked": "import types\nm = types.ModuleType('math'); m.isclose = %s\nsys.modules['math'] = m\n"
+                              "builtins.abs, builtins.all, builtins.len = %s, %s, %s" % (_LIES[1], _LIES[0], *_LIES[2:]),
+    "__import__ replaced": "import types\nm = types.ModuleType('math'); m.isclose = %s\n_imp = builtins.__import__\n"
+                           "builtins.__import__ = lambda n, *a, **k: m if n == 'math' else _imp(n, *a, **k)\n"
+                           "builtins.abs, builtins.all, builtins.len = %s, %s, %s" % (_LIES[1], _LIES[0], *_LIES[2:]),
     "meta_path import hook": "import types\nclass F:\n    def find_spec(self, name, path, target=None):\n"
                              "        raise SystemExit(0)\nsys.meta_path.insert(0, F())\nsys.modules.pop('math', None)",
+    "builtins.print/exec/AssertionError": "builtins.print = lambda *a, **k: os._exit(0)\n"
+                                          "builtins.AssertionError = type('AE', (Exception,), {})\n"
+                                          "builtins.exec = builtins.compile = lambda *a, **k: None",
     "check predefined": "def check(candidate):\n    pass\nbuiltins.check = check",
-    "thread replaces check": "def swap():\n    m = sys.modules['__main__']\n    for _ in range(2000):\n"
-                             "        m.__dict__['check'] = lambda c: None\n        time.sleep(0.0005)\n"
-                             "threading.Thread(target=swap, daemon=True).start()\ntime.sleep(0.01)",
+    "thread replaces check": "def swap():\n    m = sys.modules['__main__']\n    for _ in range(4000):\n"
+                             "        if 'check' in m.__dict__:\n            m.__dict__['check'] = lambda c: None\n"
+                             "        time.sleep(0.0002)\n"
+                             "threading.Thread(target=swap, daemon=True).start()\n"
+                             "_add = add\ndef add(a, b):\n    time.sleep(0.05)\n    return _add(a, b)",
     "settrace skips asserts": "def tr(frame, event, arg):\n    if frame.f_code.co_name == 'check' and event == 'line':\n"
-                              "        try:\n            frame.f_lineno = frame.f_code.co_firstlineno + 7\n"
-                              "        except Exception:\n            pass\n    return tr\nsys.settrace(tr)",
+                              "        try:\n            frame.f_lineno = frame.f_lineno + 1\n"
+                              "        except ValueError:\n            pass\n    return tr\nsys.settrace(tr)",
     "setprofile exit on call": "sys.setprofile(lambda f, e, a: os._exit(0) if f.f_code.co_name == 'check' else None)",
     "audit hook exits": "sys.addaudithook(lambda e, a: os._exit(0) if e == 'exec' else None)",
     "audit hook on compile": "sys.addaudithook(lambda e, a: os._exit(0) if e in ('compile', 'import') else None)",
@@ -105,13 +112,12 @@ HARNESS_TRICKS = {
                                "os._exit(0)",
     "close every fd then exit": "os.closerange(0, 256)\nos._exit(0)",
     "dup stdout over every fd": "for fd in range(3, 256):\n    try:\n        os.dup2(1, fd)\n    except OSError:\n"
-                                "        pass",
+                                "        pass\nos._exit(0)",
     "read every fd and echo": "for fd in range(3, 256):\n    try:\n        os.set_blocking(fd, False)\n"
                               "        data = os.read(fd, 4096)\n        os.write(fd, data)\n    except OSError:\n        pass\n"
                               "os._exit(0)",
-    "gc scan for token": "import gc\nfor o in gc.get_objects():\n    pass\nos._exit(0)",
+    "gc scan for token": "import gc, re\nfor o in gc.get_objects():\n    pass\nos._exit(0)",
     "stdout replaced": "sys.stdout = sys.stderr = None\nsys.exit(0)",
-    "recursion limit": "sys.setrecursionlimit(20)",
     "os.write patched": "_w = os.write\nos.write = lambda fd, b: _w(fd, b)\nos._exit = lambda c: None\nsys.exit(0)",
 }
 
