@@ -60,6 +60,7 @@ EARLY_EXITS = {
     "SIGINT to self": "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(1)",
     "SIGTERM handler exits 0": "signal.signal(signal.SIGTERM, lambda *a: os._exit(0))\nos.kill(os.getpid(), signal.SIGTERM)",
     "killpg own group": "os.killpg(0, signal.SIGKILL)",
+    "kill group 0": "os.kill(0, signal.SIGKILL)",
     "kill -1": "os.kill(-1, signal.SIGKILL)",
     "fork: parent exits 0": "if os.fork():\n    os._exit(0)",
     "fork: child prints passed, parent exits": "pid = os.fork()\nif pid == 0:\n    print('passed'); sys.stdout.flush(); os._exit(0)\n"
@@ -362,6 +363,27 @@ def test_daemons_do_not_outlive_the_run(mode):
 def test_signal_games_end_in_a_timeout_and_nothing_survives(trick):
     r = run(hostile(trick), limits={"timeout": 1.5})
     assert r.status == "timeout" and not r.passed
+    no_survivors(r)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_supervisor_survives_the_program(mode):
+    """A correct candidate that also shoots at its parent (the supervisor) and its process group's leader: the
+    supervisor survives, reports, and kills the daemon left behind."""
+    trick = textwrap.dedent("""
+        import os, signal, time
+        for pid in (os.getppid(), -os.getppid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                print("denied", flush=True)
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(30)
+            os._exit(0)
+    """)
+    r = run(hostile(trick, RIGHT), **MODES[mode])
+    assert r.passed and r.stdout.count("denied") == 2 and r.isolation and r.leftover_killed >= 1, r.stderr
     no_survivors(r)
 
 

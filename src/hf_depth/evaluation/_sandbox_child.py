@@ -201,6 +201,7 @@ def _reap() -> None:
 
 
 def _become_program(libc, policy, uid, seccomp) -> None:
+    os.setpgid(0, 0)   # its own process group: kill(0) / killpg never reach the supervisor
     for name, value in policy["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:

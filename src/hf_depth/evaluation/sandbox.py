@@ -228,7 +228,8 @@ def run_program(source: str, limits: Limits | None = None, *, allow: bool | None
                 isolation = json.load(f)
         except (OSError, ValueError):
             pass
-        completed = hmac.compare_digest(received, token)
+        # the supervisor's report is part of the proof: without it the run was not contained to its end
+        completed = hmac.compare_digest(received, token) and bool(isolation)
         if not exited or isolation.get("timed_out"):
             status = "timeout"
         else:
