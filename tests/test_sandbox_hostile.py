@@ -82,13 +82,13 @@ HARNESS_TRICKS = {
     "builtins + math patched": "import math\nbuiltins.abs, math.isclose, builtins.all, builtins.len = " + ", ".join(_LIES),
     "__builtins__ dict": "import math\nb = __builtins__ if isinstance(__builtins__, dict) else __builtins__.__dict__\n"
                          "b['abs'], math.isclose, b['all'], b['len'] = " + ", ".join(_LIES),
-    "setattr on builtins/math": "import math\nfor m, k, v in ((builtins, 'abs', %s), (math, 'isclose', %s), "
-                                "(builtins, 'all', %s), (builtins, 'len', %s)):\n    setattr(m, k, v)" % _LIES,
-    "sys.modules math faked": "import types\nm = types.ModuleType('math'); m.isclose = %s\nsys.modules['math'] = m\n"
-                              "builtins.abs, builtins.all, builtins.len = %s, %s, %s" % (_LIES[1], _LIES[0], *_LIES[2:]),
-    "__import__ replaced": "import types\nm = types.ModuleType('math'); m.isclose = %s\n_imp = builtins.__import__\n"
+    "setattr on builtins/math": "import math\nfor m, k, v in ((builtins, 'abs', {}), (math, 'isclose', {}), "
+                                "(builtins, 'all', {}), (builtins, 'len', {})):\n    setattr(m, k, v)".format(*_LIES),
+    "sys.modules math faked": "import types\nm = types.ModuleType('math'); m.isclose = {}\nsys.modules['math'] = m\n"
+                              "builtins.abs, builtins.all, builtins.len = {}, {}, {}".format(_LIES[1], _LIES[0], *_LIES[2:]),
+    "__import__ replaced": "import types\nm = types.ModuleType('math'); m.isclose = {}\n_imp = builtins.__import__\n"
                            "builtins.__import__ = lambda n, *a, **k: m if n == 'math' else _imp(n, *a, **k)\n"
-                           "builtins.abs, builtins.all, builtins.len = %s, %s, %s" % (_LIES[1], _LIES[0], *_LIES[2:]),
+                           "builtins.abs, builtins.all, builtins.len = {}, {}, {}".format(_LIES[1], _LIES[0], *_LIES[2:]),
     "meta_path import hook": "import types\nclass F:\n    def find_spec(self, name, path, target=None):\n"
                              "        raise SystemExit(0)\nsys.meta_path.insert(0, F())\nsys.modules.pop('math', None)",
     "builtins.print/exec/AssertionError": "builtins.print = lambda *a, **k: os._exit(0)\n"
@@ -306,8 +306,7 @@ def test_abstract_sockets_are_per_network_namespace():
 @contained_only
 def test_runs_cannot_read_each_other():
     secret = "VICTIM-" + uuid.uuid4().hex
-    victim = ("import time, os\nopen('secret.txt', 'w').write(%r)\nos.environ['S'] = %r\ntime.sleep(4)\n"
-              % (secret, secret))
+    victim = (f"import time, os\nopen('secret.txt', 'w').write({secret!r})\nos.environ['S'] = {secret!r}\ntime.sleep(4)\n")
     attacker = textwrap.dedent("""
         import glob, os, re
         found = []
