@@ -22,6 +22,7 @@ COMMANDS = {
     "val-loss": ("hf_depth.evaluation.perplexity", "validation loss / perplexity on held-out text"),
     "diagnose": ("hf_depth.diagnostics.cli", "depth diagnostics report (angular, causal, permutation, ...)"),
     "convert-olmo-core": ("hf_depth.olmo_core", "convert a DepthBench / OLMo-core checkpoint to hf_depth"),
+    "kernels": ("hf_depth.models.dispatch", "which implementation (Triton kernel or PyTorch reference) serves each op"),
 }
 
 

@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import importlib
 
-import triton  # noqa: F401  (fail here, at import, when Triton is absent: dispatch then uses the references)
+try:  # fail here, at import, when Triton is absent (no wheel for this platform): dispatch then uses the references
+    import triton  # noqa: F401  (its version: dispatch.kernel_report())
+except ImportError as e:
+    raise ImportError(
+        "hf_depth.kernels needs Triton (a dependency on Linux x86_64 / aarch64 only); without it every op runs its "
+        "PyTorch reference (hf_depth.models.dispatch.kernel_report())"
+    ) from e
 
 #: op name -> module ``<module>_op.py`` that implements it (the suffix keeps modules and functions apart)
 OPS = {

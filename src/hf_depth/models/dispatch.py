@@ -19,6 +19,7 @@ from .functional import REFERENCES
 
 MODES = ("auto", "torch", "triton")
 _KERNELS = None
+_KERNELS_ERROR = None  # why ``hf_depth.kernels`` could not be imported (e.g. Triton absent), for kernel_report()
 
 
 def mode() -> str:
@@ -29,12 +30,13 @@ def mode() -> str:
 
 
 def _kernels():
-    global _KERNELS
+    global _KERNELS, _KERNELS_ERROR
     if _KERNELS is None:
         try:
             from hf_depth import kernels as k  # lazy: imports triton
-        except Exception:  # package or triton absent: references only
-            k = False
+        except Exception as e:  # package or triton absent (no wheel for this platform): references only
+            cause = f" [{type(e.__cause__).__name__}: {e.__cause__}]" if e.__cause__ else ""
+            k, _KERNELS_ERROR = False, f"{type(e).__name__}: {e}{cause}"
         _KERNELS = k
     return _KERNELS
 
@@ -50,7 +52,7 @@ def use_triton(x: torch.Tensor) -> bool:
         if not ok:
             raise RuntimeError("HF_DEPTH_KERNELS=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
         if not _kernels():
-            raise RuntimeError("HF_DEPTH_KERNELS=triton but hf_depth.kernels / triton cannot be imported")
+            raise RuntimeError(f"HF_DEPTH_KERNELS=triton but hf_depth.kernels / triton cannot be imported ({_KERNELS_ERROR})")
         return True
     return ok and bool(_kernels())
 
@@ -92,3 +94,50 @@ mhc_width = op("mhc_width")
 mhc_depth = op("mhc_depth")
 depth_softmax = op("depth_softmax")
 moda_attention = op("moda_attention")
+
+
+def kernel_report() -> dict:
+    """Which implementation serves each op now, for CUDA and for CPU tensors, under the current environment.
+
+    ``{"mode", "triton" (its version, or None), "unavailable" (why the kernels cannot be imported, or None),
+    "ops": {op: {"kernel": bool, "cuda": ..., "cpu": ...}}}``: each path is ``"triton"``, ``"reference"`` or
+    ``"error"`` (what ``HF_DEPTH_KERNELS=triton`` raises where Triton cannot serve the op). Imports nothing new
+    when Triton is absent; ``hf-depth kernels`` prints it.
+    """
+    m = mode()
+    k = _kernels()
+    ops_with_kernel = set(getattr(k, "OPS", ())) if k else set()
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    ops = {}
+    for name in REFERENCES:
+        has = name in ops_with_kernel
+        if m == "torch":
+            cuda = cpu = "reference"
+        elif m == "auto":
+            cuda, cpu = ("triton" if has else "reference"), "reference"
+        else:
+            cuda = "triton" if has else "error"
+            cpu = "triton" if has and interpret else "error"
+        ops[name] = {"kernel": has, "cuda": cuda, "cpu": cpu}
+    return {"mode": m, "triton": getattr(getattr(k, "triton", None), "__version__", None) if k else None,
+            "unavailable": None if k else _KERNELS_ERROR, "ops": ops}
+
+
+def format_kernel_report(report: dict | None = None) -> str:
+    """``kernel_report()`` as a few lines of text."""
+    r = kernel_report() if report is None else report
+    head = f"HF_DEPTH_KERNELS={r['mode']}; triton " + (r["triton"] or f"unavailable ({r['unavailable']})")
+    rows = [f"  {name:<17} cuda: {o['cuda']:<9} cpu: {o['cpu']}" for name, o in r["ops"].items()]
+    return "\n".join([head, *rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hf-depth kernels [--json]``: print ``kernel_report()``."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="hf-depth kernels", description=main.__doc__)
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = ap.parse_args(argv)
+    print(json.dumps(kernel_report(), indent=1) if args.json else format_kernel_report())
+    return 0
