@@ -29,7 +29,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice
-from .dispatch import depth_softmax
+from .depth_ops import SourceBank, depth_aggregate
 from .norms import make_norm, norm_param_count
 from .residual import Design, ResidualStream, SublayerConnection
 
@@ -121,8 +121,10 @@ class DepthAggregation(nn.Module):
     def reset_design_parameters(self):
         init.zeros_(self.query)  # the paper's init; survives every sweep (init.* skips loaded weights)
 
-    def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        out, p = depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.key_norm.eps)
+    def forward(self, sources: tuple[torch.Tensor, ...], stable: int | None = None) -> torch.Tensor:
+        """``sources[:stable]`` (default all) never change after this call; at most one partial sum follows.
+        Saved for backward: the sources once per forward (their bank), never a stacked copy per sublayer."""
+        out, p = depth_aggregate(self.query, self.key_norm.gamma(), sources, self.key_norm.eps, stable)
         self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
         return out
 
@@ -143,7 +145,7 @@ class AttnResConnection(SublayerConnection):
     def read(self, state, norm):
         if self.aggregate is None:
             return norm(state[0])
-        return norm(self.aggregate(state))
+        return norm(self.aggregate(state, self.completed))
 
     def write(self, state, out):
         # a sublayer that starts a block opens a new partial sum (the previous one stays behind as a completed
@@ -170,9 +172,12 @@ class AttnResStream(ResidualStream):
         super().__init__(config)
         self.aggregate = DepthAggregation(config)
         self.block_size, self.total = config.attnres_block_sublayers, config.num_sublayers
+        # most sources any aggregation reads (the final one reads them all)
+        self.capacity = max(sum(source_layout(config, s)) for s in range(self.total + 1))
 
     def init(self, embeds):
-        return (embeds,)
+        # the sources of this forward are kept once, in a bank hung on the embedding (see depth_ops.SourceBank)
+        return (SourceBank.attach(embeds, self.capacity, self.aggregate.key_norm.eps),)
 
     def collapse(self, state):
         return torch.stack(state).sum(0)

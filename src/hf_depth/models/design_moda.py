@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .configuration_depth import DepthConfig
-from .dispatch import moda_attention
+from .depth_ops import attach_moda_banks, moda_attention
 from .residual import Design, ResidualStream
 
 
@@ -88,13 +88,12 @@ class MoDAAttention(DepthAttention):
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         new_kv = (k, v)  # this token's depth K/V: post-RoPE key, value
+        if not depth:  # the first depth K/V of the forward carry the banks every later one is copied into, once
+            new_kv = attach_moda_banks(k, v, 2 * self.config.num_hidden_layers - 1)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        if attention_mask is not None and attention_mask.dim() != 4:
-            raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
-        dk = torch.stack(depth[0::2]) if depth else None
-        dv = torch.stack(depth[1::2]) if depth else None
-        out = moda_attention(q, k, v, dk, dv, attention_mask, self.scaling, depth_mask)
+        # saved for backward: q, k, v and the depth banks (one storage each per forward), never a stacked copy
+        out = moda_attention(q, k, v, depth, attention_mask, self.scaling, depth_mask)
         return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous()), new_kv
 
 
