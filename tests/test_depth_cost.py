@@ -79,3 +79,48 @@ def test_counter_sees_the_bank():
     extra = activation_bytes(hf_depth.model_for("attnres", **kw), 1, 32) - activation_bytes(
         hf_depth.model_for("pre_ln", **kw), 1, 32)
     assert extra >= (2 * 4 + 1) * 32 * 64 * 4
+
+
+@pytest.mark.parametrize("design", ["attnres", "block_attnres"])
+def test_triton_depth_softmax_reads_the_bank_in_place(design, monkeypatch):
+    """HF_DEPTH_KERNELS=triton (TRITON_INTERPRET=1 on CPU): the kernel's sources are the bank's own storage, and
+    logits and gradients equal the torch path."""
+    from hf_depth.models import depth_ops
+
+    x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    model = _perturb(tiny_model(design, num_hidden_layers=3)).train()
+    monkeypatch.setenv("HF_DEPTH_KERNELS", "torch")
+    ref_logits, ref_grads = _logits_and_grads(model, x, None)
+    monkeypatch.setenv("HF_DEPTH_KERNELS", "triton")
+    ptrs, real = [], depth_ops._triton_ops
+
+    class Ops:
+        def __init__(self):
+            self.ops = real()
+
+        def depth_softmax_fwd(self, q, w, sources, eps):
+            ptrs.append(sources.untyped_storage().data_ptr())
+            return self.ops.depth_softmax_fwd(q, w, sources, eps)
+
+        def __getattr__(self, name):
+            return getattr(self.ops, name)
+
+    banks = []
+    attach = depth_ops.SourceBank.attach
+
+    def spy_attach(holder, capacity, rms_eps=None):
+        alias = attach(holder, capacity, rms_eps)
+        banks.append(depth_ops.SourceBank.of(alias).data.untyped_storage().data_ptr())
+        return alias
+
+    monkeypatch.setattr(depth_ops, "_triton_ops", Ops)
+    monkeypatch.setattr(depth_ops.SourceBank, "attach", staticmethod(spy_attach))
+    logits, grads = _logits_and_grads(model, x, None)
+    assert ptrs and len(banks) == 1
+    if design == "attnres":  # every source is read in place (block: the running partial sum is one extra slot)
+        assert set(ptrs) == {banks[0]}
+    else:
+        assert banks[0] in ptrs
+    torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], atol=2e-5, rtol=1e-3, msg=name)
