@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-from hf_depth.models import design_attnres, design_moda, functional
+from hf_depth.models import design_attnres, design_hc, design_moda, functional
 from hf_depth.models.modeling_depth import apply_rotary_pos_emb
 
 
@@ -42,7 +42,24 @@ def moda_attention_forward(self, x, position_embeddings, attention_mask=None, ca
     return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous()), new_kv
 
 
+def multistream_read(self, state, norm):
+    with design_hc.routing_precision(state):
+        x, mixed, write_weights, seen = self.route(state)
+    self._pending = (mixed, write_weights)
+    if not torch.compiler.is_compiling():
+        self._seen = {k: design_hc._token_mean(v.detach(), 2 if k == "res" else 1) for k, v in seen.items()}
+    return x if norm is None else norm(x)
+
+
+def multistream_write(self, state, out):
+    (mixed, write_weights), self._pending = self._pending, None
+    with design_hc.routing_precision(mixed):
+        return self.depth(mixed, write_weights, out)
+
+
 PATCHES = [
+    (design_hc.MultiStreamConnection, "read", multistream_read),
+    (design_hc.MultiStreamConnection, "write", multistream_write),
     (design_attnres.DepthAggregation, "forward", attnres_aggregate),
     (design_attnres.AttnResStream, "init", attnres_init),
     (design_moda.MoDAAttention, "forward", moda_attention_forward),

@@ -342,3 +342,116 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first depth K/V of a forward, each aliased with a bank of ``capacity`` slots."""
     return SourceBank.attach(k, capacity), SourceBank.attach(v, capacity)
+
+
+# --------------------------------------------------------------------------------------------- HC / mHC
+# A multi-stream connection routes H_s -> (x_s, mixed_s, w_s) and writes H_{s+1} = mixed_s + w_s y_s. Plain
+# autograd keeps H_s (n d per token) and several stream-sized intermediates for every sublayer. Here, as in the
+# mHC paper, only the first H of every segment of SEGMENT sublayers is saved, with every branch output y_s
+# (d per token) and write weights w_s (n per token); the backward of a segment re-runs its routing forward from
+# that H (the same ops: bit-identical streams), keeps the local graphs of the segment while it is being
+# differentiated, and frees them after. The hand-over between sublayers rides on the stream tensor itself (an
+# attribute of H_{s+1}); anything else (a caller's own tensor, reentrant checkpointing, torch.compile) starts a
+# new segment, which is only more memory, never a different result.
+
+SEGMENT = 4
+_SEG_ATTR = "_hf_depth_segment"
+
+
+class _Segment:
+    def __init__(self, start: int):
+        self.start = start
+        self.routes: dict = {}  # s -> (weakref to the route node, connection)
+        self.writes: dict = {}  # s -> weakref to the write node
+        self.local: dict = {}  # s -> (H_s leaf, (x, mixed, w)) recomputed graphs, live during backward
+
+    def graph(self, s: int):
+        if s in self.local:
+            return self.local.pop(s)
+        ctx0 = self.routes[self.start][0]()
+        H = ctx0.saved_tensors[0]
+        for j in range(self.start, s + 1):
+            conn = self.routes[j][1]
+            Hd = H.detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(device_type=H.device.type, enabled=False):
+                x, mixed, w, _ = conn.route(Hd)
+            self.local[j] = (Hd, (x, mixed, w))
+            if j < s:
+                y = self.writes[j]().saved_tensors[1]
+                with torch.no_grad(), torch.autocast(device_type=H.device.type, enabled=False):
+                    H = conn.depth(mixed.detach(), w.detach(), y)
+        return self.local.pop(s)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, conn, s, H, *params):
+        seg = SourceBank.enabled() and getattr(H, _SEG_ATTR, None)
+        if not seg or s - seg.start >= SEGMENT or s in seg.routes:
+            seg = _Segment(s)
+            ctx.save_for_backward(H)
+        seg.routes[s] = (weakref.ref(ctx), conn)
+        ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            x, mixed, w, seen = conn.route(H)
+        conn._seen_raw = seen
+        return x, mixed, w
+
+    @staticmethod
+    def backward(ctx, dx, dmixed, dw):
+        Hd, outs = ctx.seg.graph(ctx.s)
+        conn = ctx.seg.routes[ctx.s][1]
+        params = list(conn.parameters(recurse=False))
+        wanted = [Hd] + [p for p in params if p.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, (dx, dmixed, dw)) if g is not None and o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+        if ctx.s == ctx.seg.start:
+            ctx.seg.local.clear()
+        by_param = dict(zip([id(p) for p in wanted[1:]], grads[1:]))
+        return (None, None, grads[0], *(by_param.get(id(p)) for p in params))
+
+
+class _Write(torch.autograd.Function):
+    """H' = mixed + w y (the write of HC and mHC alike); saves w and y only."""
+
+    @staticmethod
+    def forward(ctx, conn, seg, s, mixed, w, y):
+        if seg is not None:
+            seg.writes[s] = weakref.ref(ctx)
+        ctx.save_for_backward(w, y)
+        ctx.mixed_dtype = mixed.dtype
+        with torch.autocast(device_type=mixed.device.type, enabled=False):
+            return conn.depth(mixed, w, y)
+
+    @staticmethod
+    def backward(ctx, dH):
+        w, y = ctx.saved_tensors
+        wm = w.to(ctx.mixed_dtype)
+        dy = (dH * wm.unsqueeze(-1)).sum(-2).to(y.dtype)
+        dw = (dH * y.to(dH.dtype).unsqueeze(-2)).sum(-1).to(w.dtype)
+        return None, None, None, dH, dw, dy
+
+
+def stream_route(conn, s: int, H: torch.Tensor):
+    """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above)."""
+    if not SourceBank.enabled():
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            return conn.route(H)
+    x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
+    seen, conn._seen_raw = conn._seen_raw, None
+    return x, mixed, w, seen
+
+
+def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``conn.depth(mixed, w, y)`` saving (w, y); the output carries the segment on to the next sublayer."""
+    if not SourceBank.enabled():
+        with torch.autocast(device_type=mixed.device.type, enabled=False):
+            return conn.depth(mixed, w, y)
+    node = mixed.grad_fn
+    seg = None
+    if node is not None and getattr(node, "seg", None) is not None and getattr(node, "s", None) == s:
+        seg = node.seg
+    H = _Write.apply(conn, seg, s, mixed, w, y)
+    if seg is not None:
+        setattr(H, _SEG_ATTR, seg)
+    return H

@@ -36,6 +36,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .depth_ops import stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .residual import Design, ResidualStream, SublayerConnection
 
@@ -173,8 +174,8 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         """The input-independent ``pre`` / ``res`` / ``post`` weights."""
 
     def read(self, state: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
-        with routing_precision(state):
-            x, mixed, write_weights, seen = self.route(state)
+        # saved for backward: H at segment starts, y and the write weights per sublayer (depth_ops.stream_route)
+        x, mixed, write_weights, seen = stream_route(self, self.sublayer_idx, state)
         self._pending = (mixed, write_weights)
         if not torch.compiler.is_compiling():
             # last-seen token means (all positions, padding included), for diagnostics only
@@ -185,12 +186,12 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         if self._pending is None:
             raise RuntimeError(f"{type(self).__name__}.write called without a preceding read")
         (mixed, write_weights), self._pending = self._pending, None
-        with routing_precision(mixed):
-            return self.depth(mixed, write_weights, out)
+        return stream_write(self, self.sublayer_idx, mixed, write_weights, out)
 
     @abc.abstractmethod
     def depth(self, mixed, write_weights, out):
-        """Write the branch output ``out`` into the mixed streams."""
+        """Write the branch output ``out`` into the mixed streams: ``mixed + write_weights ⊗ out`` (the form
+        ``depth_ops`` differentiates by hand)."""
 
     def path_weights(self) -> dict[str, torch.Tensor]:
         """Mixing weights in one convention for HC and mHC (fp32, detached):
