@@ -107,7 +107,9 @@ def _agg_forward(qg, V, r, P, rp):
         Pa = P if P.dtype == acc else P.to(acc)
         z = torch.cat((z, (rp * (Pa @ qg)).unsqueeze(0)))
     p = torch.softmax(z, dim=0)
-    out = torch.einsum("kn,knd->nd", p[:K], Va)
+    out = p[0].unsqueeze(-1) * Va[0]  # sum_k p_k v_k, one slot at a time (einsum would copy V per token on CPU)
+    for k in range(1, K):
+        out.addcmul_(p[k].unsqueeze(-1), Va[k])
     if P is not None:
         out = out + p[K].unsqueeze(-1) * Pa
     return z, p, out
