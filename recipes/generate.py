@@ -21,7 +21,11 @@ from hf_depth.shapes import DEPTHBENCH_DEPTHS, iso_width
 
 ROOT = Path(__file__).resolve().parent / "train"
 DEPTHBENCH_DESIGNS = ("pre_ln", "sandwich_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda")
-LR = {"lns": 1e-2, "deepnorm": 1e-3}
+
+
+def lr(design: str) -> float:
+    """The design's recipe learning rate (``Design.lr``, declared in its ``design_<name>.py``)."""
+    return DESIGNS[design].lr if design in DESIGNS else 2e-3
 
 DATA = {"source": "hf", "path": "HuggingFaceFW/fineweb-edu", "name": "sample-10BT", "text_field": "text",
         "tokenizer": "EleutherAI/gpt-neox-20b", "seq_len": 2048, "val_docs": 2000, "val_sequences": 512}
@@ -61,25 +65,25 @@ def main() -> int:
     for design in DEPTHBENCH_DESIGNS:
         for L in DEPTHBENCH_DEPTHS:
             L, d, note = shape(design, 406e6, L)
-            write("depthbench_400m", recipe(f"{design}_L{L}", design, L, d, LR.get(design, 2e-3), note))
+            write("depthbench_400m", recipe(f"{design}_L{L}", design, L, d, lr(design), note))
             n += 1
     # iso-backbone 300M: every design on the same Pre-LN backbone (design parameters on top)
     for L in (16, 24, 32):
         s = iso_width("pre_ln", 300e6, L, tolerance=0.05, vocab_size=50280)
         for design in DEPTHBENCH_DESIGNS:
-            write("iso_backbone_300m", recipe(f"{design}_L{L}", design, L, s.hidden_size, LR.get(design, 2e-3)))
+            write("iso_backbone_300m", recipe(f"{design}_L{L}", design, L, s.hidden_size, lr(design)))
             n += 1
     # 200M-500M multi-scale (scaling-law fits), L=24
     for target in (200e6, 300e6, 400e6, 500e6):
         for design in DEPTHBENCH_DESIGNS:
             L, d, note = shape(design, target, 24)
-            write("multiscale", recipe(f"{design}_{int(target / 1e6)}m", design, L, d, LR.get(design, 2e-3), note))
+            write("multiscale", recipe(f"{design}_{int(target / 1e6)}m", design, L, d, lr(design), note))
             n += 1
     # 1.6B with Qwen3-1.7B-style GQA: 16 query / 8 KV heads
     for design in ("pre_ln", "lns", "hc", "attnres", "block_attnres"):
         for L in (20, 28, 36):
             L, d, note = shape(design, 1.6e9, L, num_attention_heads=16, num_key_value_heads=8)
-            r = recipe(f"{design}_L{L}", design, L, d, LR.get(design, 2e-3) / 2, note, num_key_value_heads=8)
+            r = recipe(f"{design}_L{L}", design, L, d, lr(design) / 2, note, num_key_value_heads=8)
             r["train"]["micro_batch_size"], r["train"]["grad_accum"] = 8, 64
             write("1.6b", r)
             n += 1

@@ -26,33 +26,30 @@ def attnres_init(self, embeds):
     return (embeds,)
 
 
-def moda_attention_forward(self, x, position_embeddings, attention_mask=None, cache=None, depth=(), depth_mask=None,
-                           **kwargs):
-    q, k, v = self.project_qkv(x)
-    cos, sin = position_embeddings
-    q, k = apply_rotary_pos_emb(q, k, cos, sin)
-    new_kv = (k, v)
-    if cache is not None:
-        k, v = cache.update(k, v, self.layer_idx)
+def moda_attend(self, module, q, k_new, v_new, k, v, attention_mask, position_embeddings):
+    self.own = (k_new, v_new)
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
+    depth = self.depth
+    if depth:
+        cos, sin = position_embeddings
+        depth = self.depth = (*depth[:-2], apply_rotary_pos_emb(depth[-2], depth[-2], cos, sin)[0], depth[-1])
     dk = torch.stack(depth[0::2]) if depth else None
     dv = torch.stack(depth[1::2]) if depth else None
-    out = functional.moda_attention(q, k, v, dk, dv, attention_mask, self.scaling, depth_mask)
-    return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous()), new_kv
+    mask = torch.zeros(len(depth) // 2, dtype=torch.bool, device=q.device) if self.mask_depth else None
+    return functional.moda_attention(q, k, v, dk, dv, attention_mask, module.scaling, mask)
 
 
 def multistream_read(self, state, norm):
     with design_hc.routing_precision(state):
         x, mixed, write_weights, seen = self.route(state)
-    self._pending = (mixed, write_weights)
     if not torch.compiler.is_compiling():
         self._seen = {k: design_hc._token_mean(v.detach(), 2 if k == "res" else 1) for k, v in seen.items()}
-    return x if norm is None else norm(x)
+    return (x if norm is None else norm(x)), (mixed, write_weights)
 
 
-def multistream_write(self, state, out):
-    (mixed, write_weights), self._pending = self._pending, None
+def multistream_write(self, state, out, carry):
+    mixed, write_weights = carry
     with design_hc.routing_precision(mixed):
         return self.depth(mixed, write_weights, out)
 
@@ -62,7 +59,7 @@ PATCHES = [
     (design_hc.MultiStreamConnection, "write", multistream_write),
     (design_attnres.DepthAggregation, "forward", attnres_aggregate),
     (design_attnres.AttnResStream, "init", attnres_init),
-    (design_moda.MoDAAttention, "forward", moda_attention_forward),
+    (design_moda.DepthKV, "attend", moda_attend),
 ]
 
 

@@ -11,6 +11,7 @@ import sys
 COMMANDS = {
     "shapes": ("hf_depth.shapes", "iso-parameter shape spectrum"),
     "train": ("hf_depth.training.train", "pretrain a design from a recipe YAML (accelerate)"),
+    "launch-commands": ("hf_depth.training.launch", "per-node multi-process launch commands for a recipe"),
     "sweep": ("hf_depth.training.sweep", "expand designs x shapes x learning rates into runs"),
     "results": ("hf_depth.training.results", "collect finished runs into tables, plots and scaling fits"),
     "export": ("hf_depth.hub", "write a Hub-ready folder (and model card) from a run; --push to upload"),

@@ -6,7 +6,8 @@ The folder holds ``model.safetensors``, ``config.json`` with ``auto_map`` and th
 ``trust_remote_code=True`` where hf_depth is not installed), the tokenizer, ``generation_config.json``, the
 recipe, ``loss_curve.png`` and ``README.md``: a model card from ``model_cards/template.md`` whose YAML front
 matter carries ``library_name``, ``tags``, ``datasets`` and a ``model-index`` with the validation loss and any
-evaluation results found in the run folder (``eval_results.json``: ``{task: {metric: value}}``).
+evaluation results found in the run folder (``eval_results.json``: ``{task: {metric: value}}``, written by
+``hf-depth eval RUN``), which also make its "Evaluation" section.
 Diagnostics add their headline numbers with ``write_model_card(folder, run_dir, {"Depth diagnostics": text})``.
 """
 
@@ -81,6 +82,24 @@ def front_matter(summary: dict, meta: dict, recipe: dict, repo_id: str) -> dict:
     return fm
 
 
+EVAL_RESULTS = "eval_results.json"   # `hf-depth eval RUN` writes it ({task: {metric: value}}) next to RUN/eval/
+
+
+def eval_section(run_dir: str | Path) -> str | None:
+    """Markdown table of ``RUN/eval_results.json`` (task | metric | value), with the ``--limit`` it ran under."""
+    path = Path(run_dir) / EVAL_RESULTS
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    rows = ["| task | metric | value |", "|---|---|---|"]
+    rows += [f"| {task} | {metric} | {value:.4f} |" for task, metrics in results.items()
+             for metric, value in metrics.items()]
+    full = Path(run_dir) / "eval" / "results.json"
+    limit = json.loads(full.read_text()).get("config", {}).get("limit") if full.exists() else None
+    note = f" on the first {limit:g} documents of each task (`--limit`: a smoke test, not a score)" if limit else ""
+    return "\n".join(rows) + f"\n\nFrom `hf-depth eval`{note}; prompts and metrics: hf_depth's `eval/tasks`."
+
+
 DIAGNOSTICS_REPORT = "diagnostics/report.json"  # `hf-depth diagnose RUN/final --out RUN/diagnostics`
 
 
@@ -109,8 +128,8 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
 
     folder, run_dir = Path(folder), Path(run_dir)
     summary, meta, recipe, metrics = _read_run(run_dir)
-    if (run_dir / "eval_results.json").exists():
-        meta["eval_results"] = json.loads((run_dir / "eval_results.json").read_text())
+    if (run_dir / EVAL_RESULTS).exists():
+        meta["eval_results"] = json.loads((run_dir / EVAL_RESULTS).read_text())
     repo_id = repo_id or f"hf-depth/{summary.get('name', run_dir.name)}"
     design = summary.get("design") or meta.get("design", "unknown")
     entry = DESIGNS.get(design)
@@ -121,6 +140,9 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
     if metrics and not (folder / "loss_curve.png").exists():
         plot_loss_curve(metrics, folder / "loss_curve.png")
     sections = dict(extra_sections or {})
+    evals = eval_section(run_dir)
+    if evals is not None:
+        sections.setdefault("Evaluation", evals)
     diag = diagnostics_section(run_dir)
     if diag is not None:
         sections.setdefault("Depth diagnostics", diag)

@@ -35,8 +35,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _positive_int
+from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, ResidualStream, SublayerConnection
+from .residual import Design, ResidualStream, SublayerConnection, register
 
 HIRES_INITS = ("identity", "normal")
 HIRES_EMBEDS = ("pad", "project")
@@ -139,9 +140,9 @@ class HiResConnection(SublayerConnection):
             reset_projection(self.read_proj, self.config, is_write=False)
 
     def read(self, state, norm):
-        return norm(state[1])
+        return norm(state[1]), None
 
-    def write(self, state, out):
+    def write(self, state, out, carry=None):
         X, h, update = state
         h, update = h + out, update + out
         if not self.boundary:
@@ -176,18 +177,43 @@ class HiResStream(ResidualStream):
         return state[1]
 
 
+def hires_extra_flops(config, T: int, model=None) -> dict:
+    """Per block boundary the write W [D, d] and the read R [d, D], 2 T d D each; the ``project`` embedding
+    write, 2 T d D."""
+    dD = config.hidden_size * config.outer_size
+    return {"matmul": 2 * T * dD * (2 * config.num_boundaries + (config.hires_embed == "project")), "other": 0}
+
+
 def hires_extra_params(config) -> int:
     d, D = config.hidden_size, config.outer_size
     per_boundary = 2 * D * d + norm_param_count(config, D, role="output")
     return config.num_boundaries * per_boundary + (D * d if config.hires_embed == "project" else 0)
 
 
-DESIGN = Design(
+class HiResModel(DepthModel):
+    """HiRes decoder (no LM head)."""
+
+    config_class = HiResConfig
+
+
+class HiResForCausalLM(DepthForCausalLM):
+    """HiRes causal LM."""
+
+    config_class = HiResConfig
+    base_model_class = HiResModel
+
+
+DESIGN = register(Design(
     "hires",
     HiResConfig,
+    HiResModel,
+    HiResForCausalLM,
     connection=HiResConnection,
     stream=HiResStream,
+    # the outer read/write maps are decayed like the other matrices
+    param_roles={"write_proj": "design", "read_proj": "design", "embed_proj": "design"},
     extra_params=hires_extra_params,
+    extra_flops=hires_extra_flops,
     summary="X <- N_D(X + W Block_d(R X)): a D-wide PostNorm outer residual around blocks of k Pre-LN layers",
     paper="Hierarchical Residuals: A Minimalist Decoupling of Residual Width from Compute Width (HiRes, 2026)",
-)
+))

@@ -92,6 +92,9 @@ class TrainRecipe:
     seed: int = 42
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
     compile: bool = False
+    #: ``ddp``: accelerate's data parallelism (one process: plain); ``fsdp2``: torch's ``fully_shard`` per decoder
+    #: layer and root, with ``torch.distributed.checkpoint`` checkpoints that resume at any world size
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
     eval_every: int = 100
     eval_batches: int | None = None
     save_every: int = 100

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..utils import flatten_dict
+from . import distributed
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
@@ -83,15 +84,21 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, data_state: dict, keep_last: int):
-    """Write ``checkpoints/step_N`` atomically: everything goes to a temporary folder that is renamed at the end."""
+def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, data_state: dict, keep_last: int,
+                    sharded: tuple | None = None):
+    """Write ``checkpoints/step_N`` atomically: everything goes to a temporary folder that is renamed at the end.
+
+    ``sharded=(model, optimizer)`` (FSDP2) writes model and optimizer as a DCP folder instead of accelerate's
+    full-state files; the RNG states are per process in both cases."""
     final = run_dir / "checkpoints" / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model, optimizer, RNG states (per process)
+    if sharded is not None:
+        distributed.save_sharded(*sharded, tmp)
+    accelerator.save_state(str(tmp))  # model and optimizer (when prepared), RNG states (per process)
     (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -174,6 +181,9 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     import hf_depth
 
     model = hf_depth.MODEL_CLASSES[config.design][1](config)
+    fsdp = t.parallel == "fsdp2"
+    if fsdp:  # shard before the optimizer is built, so that it holds the sharded parameters
+        model = distributed.shard(model.to(accelerator.device))
     n_params = count_params(config)
     p = plan(recipe, n_params, accelerator.num_processes)
     optimizer = make_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, policy=o.policy,
@@ -186,7 +196,8 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     say(f"[hf-depth] optimizer groups (policy={o.policy}):\n{describe_param_groups(optimizer.param_groups)}")
     if t.compile:
         model = torch.compile(model)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not fsdp:  # FSDP2 modules are already distributed: accelerate would wrap them in DDP
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     train_stream = TokenStream(recipe.data, tokenizer, "train", accelerator.process_index, accelerator.num_processes)
     val = validation_set(recipe.data, tokenizer, accelerator.process_index, accelerator.num_processes)
@@ -196,10 +207,23 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     step, tokens_seen, best_val = 0, 0, float("inf")
     if resume and checkpoints(run_dir):
         ckpt = checkpoints(run_dir)[-1]
-        accelerator.load_state(str(ckpt))
         state = json.loads((ckpt / "trainer_state.json").read_text())
+        saved = [json.loads((ckpt / f"data_state_{r}.json").read_text())
+                 for r in range(state.get("processes", accelerator.num_processes))]
+        train_stream.load_state_dict(distributed.reshard_data_state(
+            saved, accelerator.num_processes, accelerator.process_index, recipe.data.source))
+        if fsdp:
+            distributed.load_sharded(model, optimizer, ckpt)
+        if len(saved) == accelerator.num_processes:
+            accelerator.load_state(str(ckpt))
+        elif fsdp:  # weights and optimizer are world-size free; the RNG streams are one per saved process
+            say(f"[hf-depth] checkpoint written by {len(saved)} process(es), resumed by {accelerator.num_processes}: "
+                "weights, optimizer and data position restored; per-process RNG states are not")
+        else:
+            raise ValueError(f"checkpoint {str(ckpt)!r} was written by {len(saved)} process(es) and this run has "
+                             f"{accelerator.num_processes}: resume a `train.parallel: ddp` run with the same number "
+                             "of processes, or train with `train.parallel: fsdp2` (sharded, world-size free checkpoints)")
         step, tokens_seen, best_val = state["step"], state["tokens"], state["best_val_loss"]
-        train_stream.load_state_dict(json.loads((ckpt / f"data_state_{accelerator.process_index}.json").read_text()))
         if main_proc and metrics_path.exists():  # drop what was logged after the checkpoint
             rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
@@ -222,8 +246,10 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
             accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def checkpoint():
-        trainer_state = {"step": step, "tokens": tokens_seen, "best_val_loss": best_val, "plan": p}
-        save_checkpoint(accelerator, run_dir, step, trainer_state, train_stream.state_dict(), t.keep_last)
+        trainer_state = {"step": step, "tokens": tokens_seen, "best_val_loss": best_val, "plan": p,
+                         "processes": accelerator.num_processes, "parallel": t.parallel}
+        save_checkpoint(accelerator, run_dir, step, trainer_state, train_stream.state_dict(), t.keep_last,
+                        sharded=(model, optimizer) if fsdp else None)
 
     bar = None
     if main_proc and t.progress:
@@ -245,26 +271,30 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
             x = train_stream.next_batch(t.micro_batch_size).to(accelerator.device)
             with accelerator.accumulate(model):
                 loss = lm_loss(model, x)
-                if not torch.isfinite(loss.detach()).all():
+                bad = distributed.ranks_where(not torch.isfinite(loss.detach()).all(), accelerator.device)
+                if bad:  # every rank sees the same list, so all stop here together
                     status = "diverged"
-                    message = (f"non-finite loss ({loss.item()}) at step {step + 1}: stopped; the last good checkpoint "
-                               f"is {checkpoints(run_dir)[-1] if checkpoints(run_dir) else 'none (no step was saved)'}")
+                    last = checkpoints(run_dir)
+                    message = (f"non-finite loss at step {step + 1} on rank(s) {bad}: stopped; the last good "
+                               f"checkpoint is {last[-1] if last else 'none (no step was saved)'}")
                     break
                 accelerator.backward(loss)
                 grad_norm = None
                 if accelerator.sync_gradients and o.grad_clip > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:  # a prepared optimizer skips the others itself; a sharded one not
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.item() / t.grad_accum
         if status == "diverged":
             break
+        loss_sum = distributed.mean_over_ranks(loss_sum, accelerator.device)  # the global batch's loss
         step += 1
         tokens_seen += p["tokens_per_step"]
         window_tokens += p["tokens_per_step"]
         row = {"step": step, "tokens": tokens_seen, "loss": loss_sum, "lr": lr}
         if grad_norm is not None:
-            row["grad_norm"] = float(grad_norm)
+            row["grad_norm"] = distributed.full_value(grad_norm)
         tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
         if step % t.log_every == 0 or step == p["steps"]:
             row["tokens_per_s"] = tps
@@ -293,9 +323,10 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         say(f"[hf-depth] ERROR: {message}")
     elif status == "finished":
         accelerator.wait_for_everyone()
+        state_dict = distributed.full_state_dict(model) if fsdp else accelerator.get_state_dict(model)
         if main_proc:
             final = run_dir / "final"
-            accelerator.unwrap_model(model).save_pretrained(final, state_dict=accelerator.get_state_dict(model))
+            accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict)
             tokenizer.save_pretrained(final)
     if main_proc and status != "interrupted":
         rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
