@@ -366,6 +366,7 @@ class _Segment:
         self.routes: dict = {}  # s -> (weakref to the route node, connection)
         self.writes: dict = {}  # s -> weakref to the write node
         self.local: dict = {}  # s -> (H_s leaf, (x, mixed, w)) recomputed graphs, live during backward
+        self.unpacked: dict = {}  # s -> (w, y) of the write, unpacked by the recomputation, handed to its backward
 
     def graph(self, s: int):
         if s in self.local:
@@ -379,7 +380,9 @@ class _Segment:
                 x, mixed, w, _ = conn.route(Hd)
             self.local[j] = (Hd, (x, mixed, w))
             if j < s:
-                y = self.writes[j]().saved_tensors[1]
+                if j not in self.unpacked:  # saved tensors are unpacked once (checkpointing allows no more)
+                    self.unpacked[j] = self.writes[j]().saved_tensors
+                y = self.unpacked[j][1]
                 with torch.no_grad(), torch.autocast(device_type=H.device.type, enabled=False):
                     H = conn.depth(mixed.detach(), w.detach(), y)
         return self.local.pop(s)
@@ -389,10 +392,12 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, conn, s, H, *params):
         seg = SourceBank.enabled() and getattr(H, _SEG_ATTR, None)
-        if not seg or s - seg.start >= SEGMENT or s in seg.routes:
+        # the decision depends on the input alone, so a checkpointed recomputation saves exactly what the forward did
+        if not seg or s - seg.start >= SEGMENT:
             seg = _Segment(s)
             ctx.save_for_backward(H)
-        seg.routes[s] = (weakref.ref(ctx), conn)
+        if s not in seg.routes or seg.routes[s][0]() is None:  # a recomputation never replaces the original node
+            seg.routes[s] = (weakref.ref(ctx), conn)
         ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
         with torch.autocast(device_type=H.device.type, enabled=False):
             x, mixed, w, seen = conn.route(H)
@@ -418,16 +423,17 @@ class _Write(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, conn, seg, s, mixed, w, y):
-        if seg is not None:
+        if seg is not None and (s not in seg.writes or seg.writes[s]() is None):
             seg.writes[s] = weakref.ref(ctx)
         ctx.save_for_backward(w, y)
-        ctx.mixed_dtype = mixed.dtype
+        ctx.mixed_dtype, ctx.seg, ctx.s = mixed.dtype, seg, s
         with torch.autocast(device_type=mixed.device.type, enabled=False):
             return conn.depth(mixed, w, y)
 
     @staticmethod
     def backward(ctx, dH):
-        w, y = ctx.saved_tensors
+        seg = ctx.seg
+        w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
         wm = w.to(ctx.mixed_dtype)
         dy = (dH * wm.unsqueeze(-1)).sum(-2).to(y.dtype)
         dw = (dH * y.to(dH.dtype).unsqueeze(-2)).sum(-1).to(w.dtype)
