@@ -17,7 +17,7 @@ from hf_depth.models.modeling_depth import apply_rotary_pos_emb
 
 
 def attnres_aggregate(self, sources, stable=None):
-    out, p = functional.depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.key_norm.eps)
+    out, p = functional.depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.eps)
     self._last_weights = p.detach().flatten(0, -2).float().mean(0)
     return out
 
@@ -26,12 +26,12 @@ def attnres_init(self, embeds):
     return (embeds,)
 
 
-def moda_attend(self, module, q, k_new, v_new, k, v, attention_mask, position_embeddings):
-    self.own = (k_new, v_new)
+def moda_attend(self, module, q, k_new, v_new, k, v, attention_mask, position_embeddings, raw_k=None):
+    self.own = (k_new if self.rotate or raw_k is None else raw_k, v_new)
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
     depth = self.depth
-    if depth:
+    if depth and self.rotate:
         cos, sin = position_embeddings
         depth = self.depth = (*depth[:-2], apply_rotary_pos_emb(depth[-2], depth[-2], cos, sin)[0], depth[-1])
     dk = torch.stack(depth[0::2]) if depth else None
@@ -44,7 +44,7 @@ def multistream_read(self, state, norm):
     with design_hc.routing_precision(state):
         x, mixed, write_weights, seen = self.route(state)
     if not torch.compiler.is_compiling():
-        self._seen = {k: design_hc._token_mean(v.detach(), 2 if k == "res" else 1) for k, v in seen.items()}
+        self._seen = {k: v.detach() for k, v in seen.items()}
     return (x if norm is None else norm(x)), (mixed, write_weights)
 
 
