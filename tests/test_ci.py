@@ -77,3 +77,22 @@ chmod +x "$3/bin/pip"
 def test_a_failed_install_fails_ci(tmp_path):
     assert _run_ci_install(tmp_path / "ok", pip_fails=False) == 0
     assert _run_ci_install(tmp_path / "fail", pip_fails=True) != 0
+
+
+def test_license_and_triton_marker():
+    """pyproject's license metadata points at the Apache-2.0 text, and Triton is required only where it has wheels
+    (Linux x86_64 / aarch64; none for macOS or Windows), so the install works there and the references run."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.lstrip().startswith("Apache License") and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "Hugging Face" not in text
+    (triton,) = [Requirement(r) for r in project["dependencies"] if Requirement(r).name == "triton"]
+    env = lambda system, machine: {"platform_system": system, "platform_machine": machine}
+    assert triton.marker.evaluate(env("Linux", "x86_64")) and triton.marker.evaluate(env("Linux", "aarch64"))
+    for system, machine in [("Darwin", "arm64"), ("Darwin", "x86_64"), ("Windows", "AMD64"), ("Linux", "ppc64le")]:
+        assert not triton.marker.evaluate(env(system, machine)), (system, machine)
