@@ -173,3 +173,20 @@ def test_adding_a_design_is_one_file_and_one_line(tmp_path):
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     passed = int(r.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
     assert passed >= 10, r.stdout[-2000:]
+
+
+def test_classes_defined_without_a_file_are_not_remote_code():
+    """A design defined in a REPL / ``python -c`` / notebook (its module has no ``__file__``) builds and is simply
+    not packaged as remote code, instead of failing with an AttributeError."""
+    import types
+
+    from hf_depth.models import modeling_depth
+
+    mod = types.ModuleType("hfd_repl_module")  # no __file__, like __main__ under ``python -c``
+    sys.modules[mod.__name__] = mod
+    try:
+        cls = type("ReplThing", (), {"__module__": mod.__name__})
+        assert modeling_depth._beside_this_file(cls) is False
+        assert modeling_depth._beside_this_file(modeling_depth.DepthForCausalLM) is True
+    finally:
+        del sys.modules[mod.__name__]

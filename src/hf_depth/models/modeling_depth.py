@@ -458,7 +458,8 @@ class DepthForCausalLM(DepthPreTrainedModel, GenerationMixin):
 def _beside_this_file(*classes: type) -> bool:
     """Whether every class is defined in this folder (what ``trust_remote_code`` can copy)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    return all(os.path.dirname(os.path.abspath(sys.modules[c.__module__].__file__)) == here for c in classes)
+    files = [getattr(sys.modules.get(c.__module__), "__file__", None) for c in classes]  # None: a REPL, ``python -c``
+    return all(f is not None and os.path.dirname(os.path.abspath(f)) == here for f in files)
 
 
 def _qualified(cls: type) -> str:
