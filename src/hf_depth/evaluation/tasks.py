@@ -50,9 +50,9 @@ def _read_rows(path: Path) -> list[dict]:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(name: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
+    from ..loading import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def continuation_tokens(tokenizer, context: str, continuation: str) -> int:
