@@ -5,6 +5,7 @@ run its own code unless `--trust-remote-code` is given. Also: `hf-depth eval` re
 containment (`sandbox.describe()`) in results.json."""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -127,6 +128,11 @@ def test_the_flag_lets_the_folders_code_run(folders, tmp_path, monkeypatch):
     assert type(model).__name__ == "EvilForCausalLM"
     with torch.no_grad():
         assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 50257)
+    folders["marker"].unlink()
+    # the command-line flag reaches the loader (a copy: the module of the first load is imported already)
+    again = shutil.copytree(folders["evil"], tmp_path / "evil_again")
+    assert cli.main(["val-loss", str(again), "--data", folders["text"], "--seq-len", "8", "--trust-remote-code"]) == 0
+    assert folders["marker"].exists()
     folders["marker"].unlink()
 
 
