@@ -1,6 +1,7 @@
 """``hf-depth diagnose MODEL --data FILE --out DIR``: the full depth-diagnostics report of one model.
 
-MODEL is a saved model folder (any hf_depth design, or a plain Llama checkpoint). The report lands in
+MODEL is a saved model folder (any hf_depth design, or a plain Llama checkpoint); a folder that asks to run
+its own code (``auto_map``) is refused unless ``--trust-remote-code`` is given (:mod:`hf_depth.loading`). The report lands in
 ``DIR/report.json``, ``DIR/report.md`` and ``DIR/*.png``; the headline numbers are printed as JSON.
 
     hf-depth diagnose runs/tiny-pre-ln --data calib.jsonl --out diag/ --seq-len 128 --num-samples 16
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 
+from ..loading import RemoteCodeRefused, add_trust_remote_code
 from .conventions import CONVENTIONS, DEFAULT
 from .data import DEFAULT_DATASET, load_calibration
 from .report import MEASUREMENTS, headline, run_diagnostics, write_report
@@ -39,23 +41,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--convention", choices=CONVENTIONS, default=DEFAULT,
                    help="skip/swap/state semantics: depthbench (DepthBench's analysis code, default) or branch")
     p.add_argument("--no-progress", action="store_true")
+    add_trust_remote_code(p)
     return p
 
 
 def _load(args):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hf_depth  # noqa: F401  (registers every design with the Auto classes)
-
-    from ..errors import reading_model
+    from ..loading import load_model, load_tokenizer
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with reading_model(args.model):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
+    model = load_model(args.model, trust_remote_code=args.trust_remote_code,
+                       dtype=getattr(torch, args.dtype)).to(device).eval()
     tok = None
     try:
-        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        tok = load_tokenizer(args.tokenizer or args.model, trust_remote_code=args.trust_remote_code)
+    except RemoteCodeRefused:
+        raise                           # a refused tokenizer is never silently replaced by raw bytes
     except Exception:
         if args.tokenizer:
             raise

@@ -7,12 +7,16 @@ MODEL is resolved by :func:`resolve_model`:
   checkpoint subfolder holding a ``config.json`` (highest trailing number: ``checkpoint-1200``, ``step_00800``);
 * anything else -> a Hub id (``AutoModelForCausalLM.from_pretrained``; needs network or the HF cache).
 
-The model is loaded once (``trust_remote_code=True``; ``import hf_depth`` registers our designs), wrapped in
+The model is loaded once (:func:`hf_depth.loading.load_model`: hf_depth designs with the installed package's
+classes, standard transformers families with theirs; a folder that asks to run its own code, ``auto_map``, is
+refused unless ``--trust-remote-code`` is given), wrapped in
 :class:`hf_depth.evaluation.lm.ContextFitHFLM` (lm-eval's ``HFLM``, ``backend="causal"``, with generation
 budgets and gold-answer scoring fitted to the model's context) and passed to ``simple_evaluate`` with the tasks
 of ``eval/tasks``. An ``hfd_*`` task whose benchmark data cannot be found is not run (one line says why and how
 to get the file); the others are. Writes ``<output>/results.json`` (lm-eval's results dict, plus
-``hfd_context``: per task, what fitting the context changed, and ``hfd_not_run``) and ``<output>/summary.md``.
+``hfd_context``: per task, what fitting the context changed, ``hfd_not_run`` and ``hfd_sandbox``: what the code
+sandbox contains on this machine and what it does not, :func:`hf_depth.evaluation.sandbox.describe`) and
+``<output>/summary.md``.
 The default output of a run folder is ``RUN/eval``, and ``RUN/eval_results.json`` (``{task: {metric: value}}``)
 then feeds the model card of ``hf-depth export``; else ``eval_results/<model name>``.
 """
@@ -27,6 +31,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..loading import add_trust_remote_code
 from .sandbox import REFUSAL
 
 REPO_TASKS = Path(__file__).resolve().parents[3] / "eval" / "tasks"
@@ -121,6 +126,17 @@ def runnable_tasks(tasks: list[str], data_dir: str | None) -> tuple[list[str], d
     return keep, not_run
 
 
+def sandbox_metadata() -> dict:
+    """:func:`~hf_depth.evaluation.sandbox.describe` of this machine (what a code-execution run contains and does
+    not) for the results, or why it could not be measured."""
+    from .sandbox import describe
+
+    try:
+        return describe()
+    except Exception as e:  # no working sandbox here: say so in the results, never fail the other tasks
+        return {"unavailable": f"{type(e).__name__}: {e}"}
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
@@ -144,6 +160,7 @@ def parse_args(argv):
     ap.add_argument("--data-dir", default=None,
                     help="read benchmark files from this folder instead of the Hub (see eval/tasks/README.md)")
     ap.add_argument("--output", default=None, help="output folder (default eval_results/<model name>)")
+    add_trust_remote_code(ap)
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit <= 0:
         ap.error("`--limit` must be > 0")
@@ -157,10 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import hf_depth  # noqa: F401  (registers the designs with the Auto classes)
-
+    from ..loading import check_remote_code, load_model, load_tokenizer
     from .lm import ContextFitHFLM
 
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
@@ -176,16 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     tok_path = args.tokenizer or resolve_tokenizer(model_path, args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    from ..errors import reading_model
-
-    with reading_model(model_path):
-        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(tok_path, trust_remote_code=True)
+    model = load_model(model_path, trust_remote_code=args.trust_remote_code, dtype=dtype).to(device).eval()
+    tokenizer = load_tokenizer(tok_path, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     lm = ContextFitHFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size, backend="causal",
                         max_length=args.max_length or getattr(model.config, "max_position_embeddings", None), device=device)
-    metadata = {"tokenizer": tok_path, "trust_remote_code": True}
+    metadata = {"tokenizer": tok_path,
+                "trust_remote_code": check_remote_code(tok_path, args.trust_remote_code, tokenizer=True)}
     if data_dir:
         metadata["data_dir"] = data_dir
     tm = TaskManager(include_path=args.include_path, include_defaults=False, metadata=metadata)
@@ -202,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     results["hfd_context"] = lm.context_report()
     results["hfd_not_run"] = not_run
+    results["hfd_sandbox"] = sandbox_metadata()
     # MODEL named a run folder (resolved to its final/ or a checkpoint): results go next to the run
     run_folder = Path(args.model) if Path(model_path).parent.resolve() == Path(args.model).resolve() else None
     default_out = run_folder / "eval" if run_folder else Path("eval_results") / Path(model_path.rstrip("/")).name

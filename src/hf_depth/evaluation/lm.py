@@ -22,8 +22,10 @@ left-truncated, whose gold answer was scored in windows) and reported by ``get_m
 ``hfd_context``, which lm-eval copies into ``results["config"]``.
 
 Plain lm-eval with this model class: ``python -m hf_depth.evaluation.lm --model hfd --model_args
-pretrained=DIR,trust_remote_code=True --include_path eval/tasks --tasks hfd_all ...`` (lm-eval's own CLI, with
-``hfd`` registered first).
+pretrained=DIR --include_path eval/tasks --tasks hfd_all ...`` (lm-eval's own CLI, with ``hfd`` registered
+first). Remote code follows :mod:`hf_depth.loading`: an hf_depth or standard transformers folder loads without
+it; a folder (or ``tokenizer=``) that asks to run its own code is refused unless ``trust_remote_code=True`` is
+in ``--model_args``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ class ContextFitHFLM(HFLM):
     """``HFLM`` whose generation budgets and gold-answer scoring fit ``max_length`` (module docstring)."""
 
     def __init__(self, *args, **kwargs):
+        from ..loading import check_remote_code
+
+        pretrained = kwargs.get("pretrained", args[0] if args else None)
+        if isinstance(pretrained, str):   # lm-eval's CLI: HFLM loads the folder itself; apply our rule first
+            trust = str(kwargs.get("trust_remote_code", False)).strip().lower() in ("true", "1", "yes")
+            flag = "trust_remote_code=True in --model_args"
+            check_remote_code(pretrained, trust, flag=flag)
+            tok = kwargs.get("tokenizer")
+            check_remote_code(tok if isinstance(tok, str) else pretrained, trust, tokenizer=True, flag=flag)
         super().__init__(*args, **kwargs)
         self._stats: dict[str, dict] = defaultdict(_new_task_stats)
         self._pending: list[tuple[str | None, int | None]] | None = None

@@ -4,7 +4,8 @@ FILE is ``.jsonl`` (one document per line, the ``--text-field`` column, default 
 (``.txt``: one document per blank-line-separated paragraph). Documents are tokenized, each followed by EOS,
 concatenated and cut into non-overlapping blocks of ``--seq-len`` tokens (the last, shorter block is kept);
 the loss is the mean next-token NLL over every predicted token. ``evaluate_loss`` is the reusable core (the
-training loop calls it with its own batches).
+training loop calls it with its own batches). A model folder that asks to run its own code (``auto_map``)
+is refused unless ``--trust-remote-code`` is given (:mod:`hf_depth.loading`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..loading import add_trust_remote_code
 
 
 @torch.no_grad()
@@ -108,24 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--output", default=None, help="also write the result as JSON here")
+    add_trust_remote_code(ap)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.seq_len < 2 or args.batch_size < 1:
         ap.error("`--seq-len` must be >= 2 and `--batch-size` >= 1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import hf_depth  # noqa: F401
-
-    from ..errors import UserError, reading, reading_model
+    from ..errors import UserError
+    from ..loading import load_model, load_tokenizer
     from .cli import resolve_model, resolve_tokenizer
 
     documents = read_documents(args.data, args.text_field)
     model_path = resolve_model(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    with reading_model(model_path):
-        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).to(device)
+    model = load_model(model_path, trust_remote_code=args.trust_remote_code).to(device)
     tok_path = args.tokenizer or resolve_tokenizer(model_path, args.model)
-    with reading(tok_path, "the tokenizer", "give --tokenizer, or save one next to the model"):
-        tok = AutoTokenizer.from_pretrained(tok_path)
+    tok = load_tokenizer(tok_path, trust_remote_code=args.trust_remote_code)
     seq_len = min(args.seq_len, getattr(model.config, "max_position_embeddings", args.seq_len))
     batches = token_blocks(tok, documents, seq_len, args.batch_size, args.max_tokens)
     if not batches:  # a loss over no token is no result: never print or write one

@@ -2,7 +2,8 @@
 
 * Teacher-forced NLL of a gold answer: :func:`nll_record` per item, :func:`aggregate_nll` over a set
   (sum of NLL divided by the sum of tokens / characters / UTF-8 bytes: a length-weighted mean).
-* GSM8K: :func:`gsm8k_gold`, :func:`extract_final_number`, :func:`gsm8k_exact_match`.
+* GSM8K: :func:`gsm8k_gold`, :func:`extract_final_number` (the final number of the answer statement),
+  :func:`gsm8k_exact_match` (numeric comparison).
 * MATH: :func:`last_boxed`, :func:`extract_math_answer`, :func:`math_equivalent` (``math-verify``:
   LaTeX -> SymPy equivalence, not string equality).
 * Multiple choice: :func:`mc_predict` (argmax of loglikelihood, raw and length-normalized),
@@ -16,8 +17,10 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import unicodedata
 from collections.abc import Iterable, Sequence
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 
@@ -51,46 +54,140 @@ def agg_ratio(pairs: Sequence[tuple[float, float]]) -> float:
 
 # --------------------------------------------------------------------------------------------- GSM8K
 
-_NUMBER = r"-?[$]?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+# A number as written in a solution: sign, currency, thousands separators, decimals, a fraction or a mixed number
+# (2 3/4). Not inside a word or another number; what follows (%, units, words) is not part of it.
+_NUMBER_RE = re.compile(r"""
+    (?<![\w.])
+    (?P<sign>-)?\s?(?:[$€£¥₹]\s?)?(?P<sign2>-)?
+    (?:
+        (?P<whole>\d+)\ (?P<mnum>\d+)/(?P<mden>\d+)(?![\d/])
+      | (?P<num>\d+)/(?P<den>\d+)(?![\d/])
+      | (?P<int>\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?P<dec>\.\d+)?
+      | (?P<bare>\.\d+)
+    )""", re.X)
+_OPERATOR_THEN_NUMBER = re.compile(r"\s*(?:[-+*/×÷x]|\\times|\\cdot)\s*\(?\s*-?[$€£¥₹]?\s*[\d.]")
+_MINUS_SIGNS = {**dict.fromkeys(map(ord, "\u2212\u2012\u2013\ufe63\uff0d"), "-"), 0x2044: "/"}   # − ‒ – ﹣ －, ⁄
+# The answer statements a solution ends with: '#### n', '(the) (final) answer is / : n', '\boxed{n}'.
+_STATEMENT_RE = re.compile(r"####|\b(?:the\s+)?(?:final\s+)?answer\s*(?:is\b|=|:)\s*:?|\\boxed\s*\{|\\fbox\s*\{",
+                           re.I)
+_STATEMENT_END_RE = re.compile(r"\n|[.!?](?=\s|$)|\.(?=[A-Z*])")
+
+
+def _plain_math(text: str) -> str:
+    """The text with unicode minus signs, markdown emphasis and the LaTeX of numbers made plain:
+    ``\\frac{3}{4}`` -> 3/4, ``\\$`` -> $, ``\\%`` -> %, ``1{,}234`` / ``1\\,234`` -> 1,234, ``\\text{ km}`` -> km."""
+    text = unicodedata.normalize("NFKC", text).translate(_MINUS_SIGNS)
+    text = strip_calculator(text).replace("**", "").replace("\\!", "")
+    text = re.sub(r"\\[dt]?frac\s*\{\s*(-?\d+)\s*\}\s*\{\s*(\d+)\s*\}", r"\1/\2", text)
+    text = re.sub(r"(?<=\d)(?:\{,\}|\\,)(?=\d{3}(?!\d))", ",", text)
+    text = re.sub(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}", r" \1", text)
+    return text.replace("\\$", "$").replace("\\%", "%").replace("\\left", "").replace("\\right", "")
+
+
+def _number_value(m: re.Match) -> Fraction:
+    g = m.groupdict()
+    if g["whole"] is not None:
+        value = int(g["whole"]) + Fraction(int(g["mnum"]), int(g["mden"]) or 1)
+    elif g["num"] is not None:
+        value = Fraction(int(g["num"]), int(g["den"])) if int(g["den"]) else Fraction(int(g["num"]))
+    elif g["bare"] is not None:
+        value = Fraction(g["bare"])
+    else:
+        value = Fraction(g["int"].replace(",", "") + (g["dec"] or ""))
+    return -value if (g["sign"] is None) != (g["sign2"] is None) else value
+
+
+def number_text(value: Fraction) -> str:
+    """A canonical spelling: 18, -5.5, 0.75, 1/3 (a fraction that is no finite decimal)."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    den = value.denominator
+    for p in (2, 5):
+        while den % p == 0:
+            den //= p
+    if den != 1:
+        return f"{value.numerator}/{value.denominator}"
+    return format(Decimal(value.numerator) / Decimal(value.denominator), "f").rstrip("0").rstrip(".")
+
+
+def parse_number(text: str | None) -> Fraction | None:
+    """The value of the first number in ``text`` ('$1,234.50' -> 2469/2, '−5' -> -5, '3/4' -> 3/4), else None."""
+    if text is None:
+        return None
+    m = _NUMBER_RE.search(_plain_math(text))
+    return _number_value(m) if m else None
 
 
 def normalize_number(text: str | None) -> str | None:
-    """'$1,234.50' -> '1234.5'; None when ``text`` is not a number."""
-    if text is None:
-        return None
-    s = text.strip().replace(",", "").replace("$", "").rstrip(".")
-    try:
-        d = Decimal(s)
-    except InvalidOperation:
-        return None
-    if not d.is_finite():
-        return None
-    d = d.normalize()
-    return format(d, "f") if d != d.to_integral() else str(int(d))
+    """'$1,234.50' -> '1234.5', '3/4' -> '0.75'; None when ``text`` holds no number."""
+    value = parse_number(text)
+    return None if value is None else number_text(value)
 
 
 def gsm8k_gold(answer: str) -> str:
     """The gold final answer of a GSM8K ``answer`` field: the text after ``####``, normalized."""
     if "####" not in answer:
         raise ValueError("GSM8K `answer` must contain '#### <number>'")
-    return normalize_number(answer.split("####")[-1])
+    gold = normalize_number(answer.split("####")[-1])
+    if gold is None:
+        raise ValueError(f"GSM8K `answer` has no number after '####': {answer.split('####')[-1].strip()!r}")
+    return gold
+
+
+def _statement_number(span: str) -> Fraction | None:
+    """The answer in one answer statement: its first number, or -- when that number starts an expression
+    (``5 * 3 = 15``) -- the result after the last '='."""
+    numbers = list(_NUMBER_RE.finditer(span))
+    if not numbers:
+        return None
+    first = numbers[0]
+    if "=" in span[first.end():] and _OPERATOR_THEN_NUMBER.match(span, first.end()):
+        after = [m for m in numbers if m.start() > span.rindex("=")]
+        if after:
+            return _number_value(after[0])
+    return _number_value(first)
+
+
+def _statement_span(text: str, m: re.Match) -> str:
+    if m.group(0).rstrip().endswith("{"):   # \boxed{...}: its balanced content
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        return text[m.end():i - 1] if depth == 0 else text[m.end():]
+    end = _STATEMENT_END_RE.search(text, m.end())
+    while end and end.group(0) == "." and end.start() == m.end():   # "The answer is: ..." -> skip no span
+        end = _STATEMENT_END_RE.search(text, end.end())
+    return text[m.end():end.start() if end else len(text)]
+
+
+def extract_final_value(text: str) -> Fraction | None:
+    """The model's final answer to a GSM8K problem, as a number (see :func:`extract_final_number`)."""
+    text = re.split(r"\n\s*(?:Q|Question|Problem)\s*:", _plain_math(text))[0]   # a hallucinated next question
+    for m in reversed(list(_STATEMENT_RE.finditer(text))):
+        value = _statement_number(_statement_span(text, m))
+        if value is not None:
+            return value
+    numbers = list(_NUMBER_RE.finditer(text))
+    return _number_value(numbers[-1]) if numbers else None
 
 
 def extract_final_number(text: str) -> str | None:
-    """The model's final number: after '####' or 'The answer is', else the last number in the text."""
-    for pattern in (r"####\s*(" + _NUMBER + ")", r"[Tt]he (?:final )?answer is:?\s*\$?\s*(" + _NUMBER + ")"):
-        found = re.findall(pattern, text)
-        if found:
-            return normalize_number(found[-1])
-    found = re.findall(_NUMBER, text)
-    return normalize_number(found[-1]) if found else None
+    """The model's final answer: the number of its last answer statement ('#### n', '(the) (final) answer is n',
+    'Answer: n', '\\boxed{n}'; of a trailing equation 'a op b = n' in it, the result n), else the last number
+    of the text; None when there is none. Unicode minus, thousands separators, currency, units, '%', 'n.00' and
+    LaTeX fractions are normalized; a fraction reads as its value ('3/4' -> '0.75'). Text after a new
+    'Q:' / 'Question:' line (the model writing the next few-shot question) is ignored."""
+    value = extract_final_value(text)
+    return None if value is None else number_text(value)
 
 
 def gsm8k_exact_match(prediction: str, gold_answer: str) -> bool:
-    """``gold_answer`` is the GSM8K ``answer`` field (with ``####``) or a bare number."""
-    gold = gsm8k_gold(gold_answer) if "####" in gold_answer else normalize_number(gold_answer)
-    pred = extract_final_number(prediction)
-    return pred is not None and pred == gold
+    """``gold_answer`` is the GSM8K ``answer`` field (with ``####``) or a bare number; numbers compare by value
+    (18 == 18.00, 3/4 == 0.75)."""
+    gold = parse_number(gsm8k_gold(gold_answer) if "####" in gold_answer else gold_answer)
+    pred = extract_final_value(prediction)
+    return pred is not None and gold is not None and pred == gold
 
 
 def strip_calculator(text: str) -> str:

@@ -50,9 +50,9 @@ def _read_rows(path: Path) -> list[dict]:
 
 @functools.lru_cache(maxsize=4)
 def _tokenizer(name: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
+    from ..loading import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return load_tokenizer(name, trust_remote_code=trust_remote_code)
 
 
 def continuation_tokens(tokenizer, context: str, continuation: str) -> int:
@@ -180,8 +180,8 @@ class Bench(abc.ABC):
 class GSM8K(Bench):
     """GSM8K test. NLL: 0-shot 'Question: ...\\nAnswer:' -> ' ' + the reference solution (calculator
     annotations <<...>> removed, '#### n' kept). Gen: 8-shot chain of thought (Wei et al.) 'Q: ...\\nA:',
-    greedy until 'Q:' or a blank line; exact match of the final number ('The answer is n', '#### n', else the
-    last number) with the gold after '####'."""
+    greedy until 'Q:' or a blank line; exact match, by value, of the final number of the last answer statement
+    (:func:`hf_depth.evaluation.scorers.extract_final_number`) with the gold after '####'."""
 
     name, local_files, hub = "gsm8k", ("gsm8k_test.jsonl",), ("openai/gsm8k", "main", "test")
     note = " (or copy grade_school_math/data/test.jsonl of https://github.com/openai/grade-school-math)"
