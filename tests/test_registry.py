@@ -52,23 +52,13 @@ def design_name_uses(path: pathlib.Path, names: set[str]) -> list[str]:
     return hits
 
 
-#: files whose design tables have not moved into the designs yet (issue 15, stage 4: the OLMo-core name rules and
-#: the Llama converter's Pre-LN check); the test fails when one is cleaned up without being removed from here
-PENDING = {"olmo_core.py", "convert.py"}
-
-
 def test_no_design_name_compares_outside_design_files():
     names = set(hf_depth.DESIGNS)
-    hits, pending = [], set()
+    hits = []
     for path in sorted(SRC.rglob("*.py")):
         if not path.name.startswith("design_"):
-            found = design_name_uses(path, names)
-            if path.name in PENDING:
-                pending |= {path.name} if found else set()
-            else:
-                hits += found
+            hits += design_name_uses(path, names)
     assert not hits, "design knowledge outside design_<name>.py:\n" + "\n".join(hits)
-    assert pending == PENDING, f"no longer pending, remove from PENDING: {sorted(PENDING - pending)}"
 
 
 def test_the_check_sees_what_it_forbids(tmp_path):

@@ -22,11 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
 
+from ..utils import write_text_atomic
 from .sandbox import REFUSAL
 
 REPO_TASKS = Path(__file__).resolve().parents[3] / "eval" / "tasks"
@@ -121,12 +121,6 @@ def runnable_tasks(tasks: list[str], data_dir: str | None) -> tuple[list[str], d
     return keep, not_run
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="hf-depth eval", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder, run folder (final/ or latest checkpoint) or Hub id")
@@ -207,16 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     default_out = run_folder / "eval" if run_folder else Path("eval_results") / Path(model_path.rstrip("/")).name
     out = Path(args.output or default_out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
     limit = f" (--limit {args.limit:g}: a smoke test, not a score)" if args.limit else ""
     table = summary_table(results) + context_table(results["hfd_context"])
     if not_run:
         table += "\nNot run (no data):\n\n" + "".join(f"- {why}\n" for why in dict.fromkeys(not_run.values()))
-    _write_atomic(out / "summary.md", f"# {args.model}{limit}\n\n{table}")
+    write_text_atomic(out / "summary.md", f"# {args.model}{limit}\n\n{table}")
     written = [out / "results.json", out / "summary.md"]
     if run_folder is not None:
         metrics = {t: {k: v for k, v in m.items() if math.isfinite(v)} for t, m in task_metrics(results).items()}
-        _write_atomic(run_folder / "eval_results.json", json.dumps(metrics, indent=2))
+        write_text_atomic(run_folder / "eval_results.json", json.dumps(metrics, indent=2))
         written.append(run_folder / "eval_results.json")
     print(table)
     print("wrote " + ", ".join(map(str, written)))

@@ -12,6 +12,7 @@ LayerNorm has no bias; ``convert-olmo-core`` sets it for its checkpoints). Depth
 from .configuration_depth import DepthConfig, _choice
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
+from .olmo_rules import OlmoRules, norms_layer
 from .residual import Design, SublayerConnection, register
 
 _BETA_SCALED = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,6 +102,15 @@ class DeepNormForCausalLM(DepthForCausalLM):
     base_model_class = DeepNormModel
 
 
+#: DepthBench's DeepNorm block re-uses the input-norm modules as the post-add norms (``LN(alpha x + F(x))``; a block
+#: LayerNorm saved without bias gets a zero bias, the same function). ``examples/pretrain_deepnorm.py`` switches
+#: only the block norms to LayerNorm: without ``lm_head.norm.bias`` the final norm is an RMSNorm.
+OLMO = OlmoRules("deepnorm", layer=norms_layer({"attention_norm": "attn_connection.norm",
+                                                "feed_forward_norm": "mlp_connection.norm"}, inputs=False,
+                                               layer_norm=lambda config: config.norm_kind == "layer" and config.norm_bias),
+                 forward_fields=("deepnorm_final_norm",),
+                 defaults=lambda sd, backend: {"deepnorm_final_norm": "layer" if "lm_head.norm.bias" in sd else "rms"})
+
 DESIGN = register(Design(
     "deepnorm",
     DeepNormConfig,
@@ -118,6 +128,7 @@ DESIGN = register(Design(
         + norm_param_count(config, kind=config.final_norm_kind, final=True)
         - norm_param_count(config, kind="rms", final=True)
     ),
+    olmo=OLMO,
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",
 ))
