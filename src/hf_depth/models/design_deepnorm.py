@@ -9,7 +9,7 @@ Extra parameters: the LayerNorm biases (d per sublayer), none with ``deepnorm_no
 LayerNorm has no bias; ``convert-olmo-core`` sets it for its checkpoints). DepthBench's swept LR: 1e-3.
 """
 
-from .configuration_depth import DepthConfig, _choice
+from .configuration_depth import DepthConfig, _choice, field_alias
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
 from .olmo_rules import OlmoRules, norms_layer
@@ -51,13 +51,8 @@ class DeepNormConfig(DepthConfig):
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise ValueError(f"`{name}` must be None (paper value) or a positive number, got {v!r}")
 
-    @property
-    def norm_kind(self) -> str:
-        return self.deepnorm_norm
-
-    @property
-    def norm_bias(self) -> bool:
-        return self.deepnorm_norm_bias
+    norm_kind = field_alias("deepnorm_norm")
+    norm_bias = field_alias("deepnorm_norm_bias")
 
     @property
     def final_norm_kind(self) -> str:

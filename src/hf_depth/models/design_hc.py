@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
 from .depth_ops import stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .modeling_depth import DepthForCausalLM, DepthModel
@@ -101,17 +101,9 @@ class HCConfig(DepthConfig):
         _flag("hc_stream_mixing", self.hc_stream_mixing)
 
     # the names MultiStream / output_init_scale read (shared with mHC)
-    @property
-    def num_streams(self) -> int:
-        return self.hc_streams
-
-    @property
-    def final_reduce(self) -> str:
-        return self.hc_final_reduce
-
-    @property
-    def scale_output_init(self) -> bool:
-        return self.hc_scale_output_init
+    num_streams = field_alias("hc_streams")
+    final_reduce = field_alias("hc_final_reduce")
+    scale_output_init = field_alias("hc_scale_output_init")
 
 
 # ------------------------------------------------------------------------------------- shared with mHC
@@ -394,8 +386,12 @@ def olmo_layer(config, i: int, options: dict) -> list:
     return rules
 
 
+#: what HC and mHC share: the n-stream state and its init, and the OLMo-core branch aliases of their blocks
+MULTI_STREAM = dict(stream=MultiStream, init_scale=output_init_scale)
+MULTI_STREAM_OLMO = dict(fold=fold_branch_aliases, aliases=branch_aliases)
+
 OLMO = OlmoRules(
-    "hc", layer=olmo_layer, fold=fold_branch_aliases, aliases=branch_aliases,
+    "hc", layer=olmo_layer, **MULTI_STREAM_OLMO,
     infer=lambda sd: ({"hc_streams": int(sd["blocks.0.attention_hyper_connection.static_alpha"].shape[0])}
                       if "blocks.0.attention_hyper_connection.static_alpha" in sd else {}),
     json_fields=lambda block: olmo_reduce(block, "hc_final_reduce"),
@@ -407,17 +403,8 @@ OLMO = OlmoRules(
 )
 
 DESIGN = register(Design(
-    "hc",
-    HCConfig,
-    HCModel,
-    HCForCausalLM,
-    connection=HCConnection,
-    stream=MultiStream,
-    param_roles=HCConnection.param_roles,
-    init_scale=output_init_scale,
-    extra_params=hc_extra_params,
-    extra_flops=hc_extra_flops,
-    olmo=OLMO,
+    "hc", HCConfig, HCModel, HCForCausalLM, connection=HCConnection, param_roles=HCConnection.param_roles,
+    extra_params=hc_extra_params, extra_flops=hc_extra_flops, olmo=OLMO, **MULTI_STREAM,
     summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
     paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",
 ))

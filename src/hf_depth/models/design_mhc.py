@@ -38,19 +38,17 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
 from .design_hc import (
     FINAL_REDUCES,
-    MultiStream,
+    MULTI_STREAM,
+    MULTI_STREAM_OLMO,
     MultiStreamConnection,
     _eps,
     _flag,
-    branch_aliases,
-    fold_branch_aliases,
     multi_stream_flops,
     olmo_connections,
     olmo_reduce,
-    output_init_scale,
 )
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
 from .modeling_depth import DepthForCausalLM, DepthModel
@@ -112,17 +110,9 @@ class MHCConfig(DepthConfig):
         _flag("mhc_dynamic_tanh", self.mhc_dynamic_tanh)
         _choice("mhc_sinkhorn_order", self.mhc_sinkhorn_order, MHC_SINKHORN_ORDERS)
 
-    @property
-    def num_streams(self) -> int:
-        return self.mhc_streams
-
-    @property
-    def final_reduce(self) -> str:
-        return self.mhc_final_reduce
-
-    @property
-    def scale_output_init(self) -> bool:
-        return self.mhc_scale_output_init
+    num_streams = field_alias("mhc_streams")
+    final_reduce = field_alias("mhc_final_reduce")
+    scale_output_init = field_alias("mhc_scale_output_init")
 
 
 class MHCConnection(MultiStreamConnection):
@@ -332,7 +322,7 @@ def olmo_json(block: dict) -> dict:
 
 
 OLMO = OlmoRules(
-    "mhc", layer=olmo_layer, fold=fold_branch_aliases, aliases=branch_aliases, infer=olmo_streams,
+    "mhc", layer=olmo_layer, **MULTI_STREAM_OLMO, infer=olmo_streams,
     json_fields=olmo_json, backends=MHC_BACKENDS, detect_backend=detect_backend,
     defaults=lambda sd, backend: dict(MHC_BACKEND_FIELDS[backend]),
     forward_fields=("mhc_dynamic_tanh", "mhc_sinkhorn_order", "mhc_final_reduce", "mhc_norm_eps"),
@@ -340,17 +330,8 @@ OLMO = OlmoRules(
 )
 
 DESIGN = register(Design(
-    "mhc",
-    MHCConfig,
-    MHCModel,
-    MHCForCausalLM,
-    connection=MHCConnection,
-    stream=MultiStream,
-    param_roles=MHCConnection.param_roles,
-    init_scale=output_init_scale,
-    extra_params=mhc_extra_params,
-    extra_flops=mhc_extra_flops,
-    olmo=OLMO,
+    "mhc", MHCConfig, MHCModel, MHCForCausalLM, connection=MHCConnection, param_roles=MHCConnection.param_roles,
+    extra_params=mhc_extra_params, extra_flops=mhc_extra_flops, olmo=OLMO, **MULTI_STREAM,
     summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
     "H_post = 2 sigmoid",
     paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880)",
