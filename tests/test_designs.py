@@ -111,6 +111,24 @@ def test_thirty_steps_reduce_loss(design):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad), "a parameter got no gradient"
 
 
+@pytest.mark.parametrize("design", DESIGNS)
+def test_olmo_core_names_round_trip_or_one_line_refusal(design):
+    """A design that declares OLMo-core name rules (``Design.olmo``) maps every parameter to DepthBench names and
+    back unchanged; one that declares none is refused in one line naming it and the convertible designs."""
+    from hf_depth.olmo_core import convertible, hf_depth_to_olmo_core, olmo_core_to_hf_state_dict
+
+    model = tiny_model(design).eval()
+    if design not in convertible():
+        with pytest.raises(ValueError) as e:
+            hf_depth_to_olmo_core(model)
+        msg = str(e.value)
+        assert "\n" not in msg and repr(design) in msg and all(repr(n) in msg for n in convertible()), msg
+        return
+    back = olmo_core_to_hf_state_dict(hf_depth_to_olmo_core(model), model.config)
+    sd = model.state_dict()
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
 def test_trust_remote_code_without_package(tmp_path):
     """Every design's saved folder loads in a process that never imports hf_depth."""
     expected = {}

@@ -25,11 +25,6 @@ def _logits(model):
         return model(_ids(), use_cache=False).logits
 
 
-def _need(design):
-    if design not in hf_depth.DESIGNS:
-        pytest.skip(f"design {design!r} is not registered on this branch")
-
-
 def _randomize(model, seed=0):
     """Move every parameter off its init so that a wrong mapping changes the logits."""
     g = torch.Generator().manual_seed(seed)
@@ -193,7 +188,6 @@ def test_round_trip_identical_logits(block, kw):
     kw = dict(kw)
     backend = kw.pop("mhc_backend", None)
     design = olmo_core._design_name(block, kw)
-    _need(design)
     if design == "attnres":
         kw.pop("attnres_block_size")
     cfg = {**FIELDS, **kw}
@@ -218,7 +212,6 @@ def test_round_trip_identical_logits(block, kw):
 
 
 def test_hc_branch_aliases_checked():
-    _need("hc")
     torch.manual_seed(0)
     model = _randomize(hf_depth.model_for("hc", vocab_size=V, hidden_size=D, num_hidden_layers=L, **FIELDS).eval())
     sd = hf_depth_to_olmo_core(model, hc_branch_aliases=True)
@@ -233,7 +226,6 @@ def test_hc_branch_aliases_checked():
 
 def test_mhc_torch_layout_transposes_h_res():
     """DepthBench's torch mHC applies R[s, t] (mixed_t = sum_s R[s,t] H_s); hf_depth R[t, s]: the mapping transposes."""
-    _need("mhc")
     torch.manual_seed(0)
     model = _randomize(hf_depth.model_for("mhc", vocab_size=V, hidden_size=D, num_hidden_layers=L, **FIELDS).eval())
     sd = hf_depth_to_olmo_core(model, mhc_backend="mhc")
@@ -256,7 +248,6 @@ def _depthbench_sinkhorn(z, iters=20):
 
 def test_mhc_static_maps_to_equal_routing_weights():
     """``mhc_static``: H_pre = softmax, H_post = softmax, H_res = Sinkhorn, input independent; mixed_t = sum_s R[s,t]."""
-    _need("mhc")
     torch.manual_seed(0)
     model = _randomize(hf_depth.model_for("mhc", vocab_size=V, hidden_size=D, num_hidden_layers=L, **FIELDS).eval())
     sd = {k: v for k, v in hf_depth_to_olmo_core(model).items() if "hyper_connection" not in k}

@@ -52,23 +52,13 @@ def design_name_uses(path: pathlib.Path, names: set[str]) -> list[str]:
     return hits
 
 
-#: files whose design tables have not moved into the designs yet (issue 15, stage 4: the OLMo-core name rules and
-#: the Llama converter's Pre-LN check); the test fails when one is cleaned up without being removed from here
-PENDING = {"olmo_core.py", "convert.py"}
-
-
 def test_no_design_name_compares_outside_design_files():
     names = set(hf_depth.DESIGNS)
-    hits, pending = [], set()
+    hits = []
     for path in sorted(SRC.rglob("*.py")):
         if not path.name.startswith("design_"):
-            found = design_name_uses(path, names)
-            if path.name in PENDING:
-                pending |= {path.name} if found else set()
-            else:
-                hits += found
+            hits += design_name_uses(path, names)
     assert not hits, "design knowledge outside design_<name>.py:\n" + "\n".join(hits)
-    assert pending == PENDING, f"no longer pending, remove from PENDING: {sorted(PENDING - pending)}"
 
 
 def test_the_check_sees_what_it_forbids(tmp_path):
@@ -190,3 +180,42 @@ def test_classes_defined_without_a_file_are_not_remote_code():
         assert modeling_depth._beside_this_file(modeling_depth.DepthForCausalLM) is True
     finally:
         del sys.modules[mod.__name__]
+
+
+def test_olmo_core_names_are_declared_by_the_design():
+    """A design's OLMo-core name rules live in its own ``Design(olmo=...)``: the toy, given rules here (a block type
+    and its gate keys), converts both ways to the same logits with nothing added to ``hf_depth.olmo_core``."""
+    import dataclasses
+
+    from hf_depth import olmo_core
+    from hf_depth.models.olmo_rules import OlmoRules, one, pre_norms
+
+    def layer(config, i, options):
+        L = f"model.layers.{i}"
+        return pre_norms(config, i) + [one(f"blocks.{i}.attention_gate", f"{L}.attn_connection.gate"),
+                                       one(f"blocks.{i}.feed_forward_gate", f"{L}.mlp_connection.gate")]
+
+    toy = _import_toy()
+    try:
+        design = hf_depth.register_design(dataclasses.replace(toy.DESIGN, olmo=OlmoRules("gated", layer=layer)))
+        assert olmo_core.block_types()["gated"] == "toy"
+        torch.manual_seed(0)
+        model = toy.ToyForCausalLM(toy.ToyConfig(**TINY)).eval()
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(0.01 * (i + 1))  # gates and norms off their init: a dropped key changes the logits
+        sd = olmo_core.hf_depth_to_olmo_core(model)
+        assert torch.equal(sd["blocks.1.feed_forward_gate"], model.model.layers[1].mlp_connection.gate)
+        back = olmo_core.olmo_core_to_hf_depth(sd, "gated", num_attention_heads=4, rope_theta=10000.0,
+                                               rms_norm_eps=model.config.rms_norm_eps, pad_token_id=0, eos_token_id=1)
+        assert type(back) is toy.ToyForCausalLM and back.config.design == design.name
+        ids, mask = batch()
+        with torch.no_grad():
+            torch.testing.assert_close(back(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
+                                       rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"unmapped keys.*blocks\.0\.bogus"):
+            olmo_core.olmo_core_to_hf_depth({**sd, "blocks.0.bogus": torch.zeros(1)}, "gated", num_attention_heads=4,
+                                            rope_theta=10000.0, rms_norm_eps=1e-6)
+    finally:
+        hf_depth.DESIGNS.pop("toy", None)
+        hf_depth.MODEL_CLASSES.pop("toy", None)

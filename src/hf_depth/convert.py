@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .models.registry import DESIGNS, MODEL_CLASSES
+from .models.design_pre_ln import DESIGN as PRE_LN
 
 # Fields with the same name and meaning in LlamaConfig and DepthConfig.
 SHARED_FIELDS = (
@@ -31,11 +31,11 @@ def llama_config_to_pre_ln(config: LlamaConfig, **overrides):
     fields["attention_dropout"] = float(fields["attention_dropout"] or 0.0)
     fields["rope_theta"] = float(rope.get("rope_theta", 10000.0))
     fields.update(overrides)
-    return DESIGNS["pre_ln"].config_class(**fields)
+    return PRE_LN.config_class(**fields)
 
 
 def pre_ln_config_to_llama(config) -> LlamaConfig:
-    if config.design != "pre_ln" or config.scale_vector != "standard":
+    if config.design != PRE_LN.name or config.scale_vector != "standard":
         raise ValueError(
             f"only design='pre_ln' with scale_vector='standard' is a Llama; got design={config.design!r}, "
             f"scale_vector={config.scale_vector!r}"
@@ -58,7 +58,7 @@ def _check_keys(src: dict, dst_model: torch.nn.Module, what: str) -> None:
 def llama_to_pre_ln(llama: LlamaForCausalLM):
     """A ``PreLNForCausalLM`` computing the same function as ``llama`` (weights copied)."""
     config = llama_config_to_pre_ln(llama.config)
-    model = MODEL_CLASSES["pre_ln"][1](config).to(llama.dtype)
+    model = PRE_LN.causal_lm_class(config).to(llama.dtype)
     sd = llama.state_dict()
     _check_keys(sd, model, "LlamaForCausalLM -> hf_depth pre_ln")
     model.load_state_dict(sd, strict=True)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from .utils import atomic_path
+
 LOCAL_BUILDERS = {"json", "parquet", "csv", "text", "arrow"}
 
 
@@ -215,21 +217,18 @@ def export(run_dir: str | Path, out: str | Path | None = None, repo_id: str | No
     run_dir = Path(run_dir)
     summary, meta, recipe, metrics = _read_run(run_dir)
     out = Path(out or run_dir / "export")
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=128,
     )
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if (run_dir / "recipe.yaml").exists():
-        shutil.copy(run_dir / "recipe.yaml", tmp / "recipe.yaml")
-    write_model_card(tmp, run_dir, repo_id=repo_id)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    with atomic_path(out) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if (run_dir / "recipe.yaml").exists():
+            shutil.copy(run_dir / "recipe.yaml", tmp / "recipe.yaml")
+        write_model_card(tmp, run_dir, repo_id=repo_id)
     return out
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
+
+from .utils import atomic_path
 
 
 def pyplot():
@@ -23,8 +24,7 @@ def save_figure(fig, path, dpi: int = 110, ax=None) -> str:
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
     path = pathlib.Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
     pyplot().close(fig)
     return str(path)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..utils import next_token_nll
+
 BRANCHES = ("self_attn", "mlp")
 BRANCH_NORMS = ("input_layernorm", "post_attention_layernorm")
 
@@ -127,12 +129,7 @@ class Forward:
 
 def token_loss(logits: torch.Tensor, batch: Batch) -> tuple[float, int]:
     """Summed next-token cross entropy over positions whose input and target are real tokens."""
-    tgt = batch.input_ids[:, 1:]
-    valid = batch.tokens[:, 1:] & batch.tokens[:, :-1]
-    lp = torch.nn.functional.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none"
-    ).view_as(tgt)
-    return float(lp[valid].sum()), int(valid.sum())
+    return next_token_nll(logits, batch.input_ids, batch.tokens)
 
 
 @torch.no_grad()

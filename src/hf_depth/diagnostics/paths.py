@@ -4,18 +4,14 @@ A design with explicit paths returns them from ``model.model.residual_path_weigh
 ``{sublayer_idx: {name: tensor}}`` (sublayer s = 2*layer + {0 attention, 1 FFN}; key ``2L`` = the final
 aggregation, if any). Each tensor is either static (no token dims) or per token with leading ``[B, T]`` dims,
 holding the values of the **last forward** (the diagnostics run one forward per calibration batch and read them
-after it). Recognized formats:
+after it). The two formats the designs emit:
 
-* **AttnRes** (Full / Block): ``{"weights": [..., K]}``, the depth-softmax over K sources. Optional
-  ``"members": [K, S + 1]``: which base sources each aggregation source sums (column 0 = embedding, column
-  ``i + 1`` = output of sublayer ``i``; Block AttnRes: a block sum has ones on its sublayers). Without
-  ``members``, ``K == s + 1`` means Full AttnRes order ``[embedding, out_0, ..., out_{s-1}]``.
-* **hf_depth HC / mHC connections**: ``{"pre": [..., n], "res": [..., n, n], "post": [..., n]}`` with
-  ``x = pre . H`` and ``H'_t = sum_s res[t, s] H_s + post_t y`` (``static_*`` copies are ignored) = the
-  canonical transport below.
-* **canonical transport** (what HC and mHC are converted to): ``{"read": [..., n], "mix": [..., n, n],
-  "write": [..., n]}`` with ``x = read . H`` and ``H' = mix H + write y``; optional ``"init": [n]`` (embedding
-  coefficient of each stream, default all ones: the embedding is replicated into every stream).
+* **AttnRes** (Full / Block): ``{"weights": [..., K], "members": [K, S + 1]}``, the depth-softmax over K sources
+  and which base sources each aggregation source sums (column 0 = embedding, column ``i + 1`` = output of
+  sublayer ``i``; Block AttnRes: a block sum has ones on its sublayers).
+* **transport** (HC / mHC): ``{"read": [..., n], "mix": [..., n, n], "write": [..., n]}`` with ``x = read . H``
+  and ``H' = mix H + write y``; the embedding is replicated into every stream. (Their token means ``pre`` /
+  ``res`` / ``post`` and the ``static_*`` parts are reported raw.)
 
 Anything else is reported raw (token-mean of each tensor) as ``"unmapped"``.
 
@@ -43,15 +39,6 @@ def _tokens(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(mask.shape):
         return t[mask]
     return t.unsqueeze(0)
-
-
-def to_transport(w: dict) -> dict | None:
-    """hf_depth HC / mHC or canonical path weights -> ``{"read", "mix", "write"[, "init"]}``; None if not a transport."""
-    if {"read", "mix", "write"} <= w.keys():
-        return w
-    if {"pre", "res", "post"} <= w.keys():  # hf_depth's HC / mHC connections (token means of the last forward)
-        return {"read": w["pre"], "mix": w["res"], "write": w["post"]}
-    return None
 
 
 def effective_rank(m: torch.Tensor) -> torch.Tensor:
@@ -87,10 +74,10 @@ class PathAccumulator:
                 prev = self.raw[s].get(k)
                 self.raw[s][k] = (v.sum(0) if v.shape[0] > 1 else v[0] * ntok) + (0 if prev is None else prev)
             self.raw_count[s] = self.raw_count.get(s, 0.0) + ntok
-            if "weights" in tw:
+            if {"weights", "members"} <= tw.keys():
                 self._attnres(s, tw, ntok)
-            elif (t := to_transport(tw)) is not None:
-                transport[s] = t
+            elif {"read", "mix", "write"} <= tw.keys():
+                transport[s] = tw
             else:
                 self.kinds.add("unmapped")
         if transport:
@@ -98,15 +85,7 @@ class PathAccumulator:
 
     def _attnres(self, s: int, w: dict, ntok: float) -> None:
         p = w["weights"]  # [N or 1, K]
-        K = p.shape[-1]
-        members = w.get("members")
-        if members is not None:
-            members = members.reshape(K, -1)[:, : self.S + 1]
-        elif K == s + 1 and s <= self.S:
-            members = torch.eye(K, self.S + 1)
-        else:
-            self.kinds.add("unmapped")
-            return
+        members = w["members"].reshape(p.shape[-1], -1)[:, : self.S + 1]
         self.kinds.add("attnres")
         row = (p @ members.to(p))  # [N or 1, S + 1]
         row = row.sum(0) if row.shape[0] > 1 else row[0] * ntok
@@ -118,10 +97,8 @@ class PathAccumulator:
         first = next(iter(tr.values()))
         n = first["read"].shape[-1]
         N = max(max(v.shape[0] for v in t.values()) for t in tr.values())
-        init = first.get("init")
-        init = torch.ones(N, n, dtype=torch.float64) if init is None else init.double().reshape(-1, n).expand(N, n)
         V = torch.zeros(N, n, self.S + 1, dtype=torch.float64)  # stream contents in terms of the sources
-        V[:, :, 0] = init
+        V[:, :, 0] = 1  # the embedding, replicated into every stream
         P = torch.eye(n, dtype=torch.float64).expand(N, n, n)  # composed residual transport
         scale = ntok if N == 1 else 1.0  # static weights stand for every token
         for s in range(self.S + 1):

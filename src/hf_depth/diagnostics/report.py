@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 import time
 
+from ..utils import write_text_atomic
 from . import angular, causal, conventions, cost, logit_lens, paths, permutation, plots, pruning
 from .common import as_batches, late_start, mean_loss, nan_to_none, num_layers
 
@@ -114,12 +114,6 @@ def headline(report: dict) -> dict:
     return out
 
 
-def _atomic_write(path: pathlib.Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _fmt(x, nd=4):
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "n/a"
@@ -182,7 +176,7 @@ def write_report(report: dict, out_dir) -> dict[str, str]:
         images["overview"] = plots.overview(report, out / "overview.png")
     if "cost" in report:
         images["cost"] = plots.cost_bars(report["cost"], out / "cost.png")
-    _atomic_write(out / "report.json", json.dumps(nan_to_none(report), indent=1, allow_nan=False))
-    _atomic_write(out / "report.md", markdown(report, images))
+    write_text_atomic(out / "report.json", json.dumps(nan_to_none(report), indent=1, allow_nan=False))
+    write_text_atomic(out / "report.md", markdown(report, images))
     return {"report.json": str(out / "report.json"), "report.md": str(out / "report.md"), **images}
 

@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
 
 from ..loading import add_trust_remote_code
+from ..utils import write_text_atomic
 from .sandbox import REFUSAL
 
 REPO_TASKS = Path(__file__).resolve().parents[3] / "eval" / "tasks"
@@ -137,12 +137,6 @@ def sandbox_metadata() -> dict:
         return {"unavailable": f"{type(e).__name__}: {e}"}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="hf-depth eval", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder, run folder (final/ or latest checkpoint) or Hub id")
@@ -221,16 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     default_out = run_folder / "eval" if run_folder else Path("eval_results") / Path(model_path.rstrip("/")).name
     out = Path(args.output or default_out)
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2, default=str))
     limit = f" (--limit {args.limit:g}: a smoke test, not a score)" if args.limit else ""
     table = summary_table(results) + context_table(results["hfd_context"])
     if not_run:
         table += "\nNot run (no data):\n\n" + "".join(f"- {why}\n" for why in dict.fromkeys(not_run.values()))
-    _write_atomic(out / "summary.md", f"# {args.model}{limit}\n\n{table}")
+    write_text_atomic(out / "summary.md", f"# {args.model}{limit}\n\n{table}")
     written = [out / "results.json", out / "summary.md"]
     if run_folder is not None:
         metrics = {t: {k: v for k, v in m.items() if math.isfinite(v)} for t, m in task_metrics(results).items()}
-        _write_atomic(run_folder / "eval_results.json", json.dumps(metrics, indent=2))
+        write_text_atomic(run_folder / "eval_results.json", json.dumps(metrics, indent=2))
         written.append(run_folder / "eval_results.json")
     print(table)
     print("wrote " + ", ".join(map(str, written)))

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..loading import add_trust_remote_code
+from ..utils import next_token_nll
 
 
 @torch.no_grad()
@@ -40,14 +40,9 @@ def evaluate_loss(model, token_batches: Iterable, device=None) -> dict:
                 ids, mask = batch, None
             ids = ids.to(device)
             mask = mask.to(device) if mask is not None else None
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-            targets = ids[:, 1:]
-            nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
-            if mask is not None:
-                keep = (mask[:, 1:] * mask[:, :-1]).reshape(-1).bool()
-                nll = nll[keep]
-            total += nll.sum().item()
-            count += nll.numel()
+            s, n = next_token_nll(model(input_ids=ids, attention_mask=mask).logits, ids, mask)
+            total += s
+            count += n
     finally:
         model.train(was_training)
     loss = total / count if count else float("nan")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_depth.models.functional import mhc_gates
+
 from .hc_op import mix_depth, mix_width
 from .sinkhorn_op import sinkhorn
 
@@ -25,16 +27,8 @@ def mhc_coefficients(
     n = H.shape[-2]
     x = H.flatten(-2).float()
     inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    proj = (x @ phi.float()) * inv_r
-    if tanh:  # DepthBench's torch backend: gate * tanh(projection) + bias
-        proj = torch.tanh(proj)
-    a, b = alpha.float(), bias.float()
-    pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
-    post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
-    res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
-    if columns_first:  # Sinkhorn starting with the column step: the row-first one of the transpose, transposed
-        return pre, post, sinkhorn(res_logits.transpose(-1, -2), iters).transpose(-1, -2)
-    return pre, post, sinkhorn(res_logits, iters)
+    return mhc_gates((x @ phi.float()) * inv_r, alpha.float(), bias.float(), n, iters, tanh, columns_first,
+                     sinkhorn=sinkhorn)
 
 
 def mhc_width(H: torch.Tensor, pre: torch.Tensor, res: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,6 +127,12 @@ def _all_design_fields() -> dict[str, str]:
     return out
 
 
+def field_alias(field: str) -> property:
+    """A read-only property that reads config field ``field``: the shared name a design's own field goes by (HC's
+    ``hc_streams`` is the ``num_streams`` that the multi-stream code reads)."""
+    return property(lambda self: getattr(self, field), doc=f"``{field}``")
+
+
 def _positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"`{name}` must be a positive integer, got {value!r}")

@@ -38,6 +38,7 @@ from .depth_ops import SourceBank, depth_aggregate
 from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
+from .olmo_rules import OlmoRules, norm, one, pre_norms
 from .residual import Design, ResidualStream, SublayerConnection, register
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
@@ -295,30 +296,48 @@ class BlockAttnResForCausalLM(DepthForCausalLM):
 #: the pseudo-query w is decayed like a matrix (DepthBench decays everything but HC/mHC static routing)
 ATTNRES_PARAM_ROLES = {"query": "design"}
 
+
+def _olmo_query(olmo: str, hf: str, config) -> list:
+    """``{olmo}_proj.weight`` [1, d] -> ``{hf}.aggregate.query`` [d] (row squeezed), ``{olmo}_norm`` -> key norm."""
+    return [one(f"{olmo}_proj.weight", f"{hf}.aggregate.query", to_hf=lambda ts: [ts[0].reshape(-1)],
+                to_olmo=lambda ts: [ts[0].reshape(1, -1)]),
+            *norm(f"{olmo}_norm", f"{hf}.aggregate.key_norm", config)]
+
+
+def olmo_layer(config, i: int, options: dict) -> list:
+    L = f"model.layers.{i}"
+    rules = pre_norms(config, i)
+    if i > 0:  # the first sublayer reads the embedding alone: no query
+        rules += _olmo_query(f"blocks.{i}.attn_res", f"{L}.attn_connection", config)
+    return rules + _olmo_query(f"blocks.{i}.mlp_res", f"{L}.mlp_connection", config)
+
+
+def _olmo_full(fields: dict) -> bool:
+    """DepthBench's ``attnres_block_size`` S (sublayers): S = 1 (or unset) is Full AttnRes, S > 1 Block AttnRes."""
+    return fields.get("attnres_block_size") in (None, 1)
+
+
+_OLMO = dict(layer=olmo_layer, model=lambda config, options: _olmo_query("res", "model.stream", config),
+             # ``kernels/attnres.py``'s norms are built without an eps in ``block.py``: OLMo-core's 1e-5
+             defaults=lambda sd, backend: {"attnres_norm_eps": 1e-5}, forward_fields=("attnres_norm_eps",),
+             json_fields=lambda block: ({"attnres_block_size": block["attnres_block_size"]}
+                                        if block.get("attnres_block_size") is not None else {}),
+             record=lambda config, backend: {"attnres_block_size": config.attnres_block_sublayers})
+OLMO = OlmoRules("attnres", selects=_olmo_full, ignores=("attnres_block_size",), **_OLMO)
+BLOCK_OLMO = OlmoRules("attnres", selects=lambda fields: not _olmo_full(fields), **_OLMO)
+
+
+#: what Full and Block AttnRes share (one connection, stream, counts; the block size is the config's)
+_SHARED = dict(param_roles=ATTNRES_PARAM_ROLES, connection=AttnResConnection, stream=AttnResStream,
+               extra_params=attnres_extra_params, extra_flops=attnres_extra_flops,
+               paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)")
+
 DESIGN = register(Design(
-    "attnres",
-    AttnResConfig,
-    AttnResModel,
-    AttnResForCausalLM,
-    param_roles=ATTNRES_PARAM_ROLES,
-    connection=AttnResConnection,
-    stream=AttnResStream,
-    extra_params=attnres_extra_params,
-    extra_flops=attnres_extra_flops,
+    "attnres", AttnResConfig, AttnResModel, AttnResForCausalLM, olmo=OLMO, **_SHARED,
     summary="x_l = N_l(sum_i softmax_i(<w_l, g_l N̄(v_i)>) v_i) over the embedding and every sublayer output",
-    paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
 ))
 
 BLOCK_DESIGN = register(Design(
-    "block_attnres",
-    BlockAttnResConfig,
-    BlockAttnResModel,
-    BlockAttnResForCausalLM,
-    param_roles=ATTNRES_PARAM_ROLES,
-    connection=AttnResConnection,
-    stream=AttnResStream,
-    extra_params=attnres_extra_params,
-    extra_flops=attnres_extra_flops,
+    "block_attnres", BlockAttnResConfig, BlockAttnResModel, BlockAttnResForCausalLM, olmo=BLOCK_OLMO, **_SHARED,
     summary="AttnRes over [embedding, completed block sums, partial sum]; blocks of S sublayers",
-    paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
 ))

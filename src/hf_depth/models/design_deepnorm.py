@@ -9,9 +9,10 @@ Extra parameters: the LayerNorm biases (d per sublayer), none with ``deepnorm_no
 LayerNorm has no bias; ``convert-olmo-core`` sets it for its checkpoints). DepthBench's swept LR: 1e-3.
 """
 
-from .configuration_depth import DepthConfig, _choice
+from .configuration_depth import DepthConfig, _choice, field_alias
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
+from .olmo_rules import OlmoRules, norms_layer
 from .residual import Design, SublayerConnection, register
 
 _BETA_SCALED = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -50,13 +51,8 @@ class DeepNormConfig(DepthConfig):
             if v is not None and (not isinstance(v, (int, float)) or v <= 0):
                 raise ValueError(f"`{name}` must be None (paper value) or a positive number, got {v!r}")
 
-    @property
-    def norm_kind(self) -> str:
-        return self.deepnorm_norm
-
-    @property
-    def norm_bias(self) -> bool:
-        return self.deepnorm_norm_bias
+    norm_kind = field_alias("deepnorm_norm")
+    norm_bias = field_alias("deepnorm_norm_bias")
 
     @property
     def final_norm_kind(self) -> str:
@@ -101,6 +97,15 @@ class DeepNormForCausalLM(DepthForCausalLM):
     base_model_class = DeepNormModel
 
 
+#: DepthBench's DeepNorm block re-uses the input-norm modules as the post-add norms (``LN(alpha x + F(x))``; a block
+#: LayerNorm saved without bias gets a zero bias, the same function). ``examples/pretrain_deepnorm.py`` switches
+#: only the block norms to LayerNorm: without ``lm_head.norm.bias`` the final norm is an RMSNorm.
+OLMO = OlmoRules("deepnorm", layer=norms_layer({"attention_norm": "attn_connection.norm",
+                                                "feed_forward_norm": "mlp_connection.norm"}, inputs=False,
+                                               layer_norm=lambda config: config.norm_kind == "layer" and config.norm_bias),
+                 forward_fields=("deepnorm_final_norm",),
+                 defaults=lambda sd, backend: {"deepnorm_final_norm": "layer" if "lm_head.norm.bias" in sd else "rms"})
+
 DESIGN = register(Design(
     "deepnorm",
     DeepNormConfig,
@@ -118,6 +123,7 @@ DESIGN = register(Design(
         + norm_param_count(config, kind=config.final_norm_kind, final=True)
         - norm_param_count(config, kind="rms", final=True)
     ),
+    olmo=OLMO,
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",
 ))

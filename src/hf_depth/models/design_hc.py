@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import abc
 import math
+import re
 
 import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
 from .depth_ops import stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .modeling_depth import DepthForCausalLM, DepthModel
+from .olmo_rules import OlmoRules, fold_aliases, one, pre_norms
 from .residual import Design, ResidualStream, SublayerConnection, register
 
 FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
@@ -99,17 +101,9 @@ class HCConfig(DepthConfig):
         _flag("hc_stream_mixing", self.hc_stream_mixing)
 
     # the names MultiStream / output_init_scale read (shared with mHC)
-    @property
-    def num_streams(self) -> int:
-        return self.hc_streams
-
-    @property
-    def final_reduce(self) -> str:
-        return self.hc_final_reduce
-
-    @property
-    def scale_output_init(self) -> bool:
-        return self.hc_scale_output_init
+    num_streams = field_alias("hc_streams")
+    final_reduce = field_alias("hc_final_reduce")
+    scale_output_init = field_alias("hc_scale_output_init")
 
 
 # ------------------------------------------------------------------------------------- shared with mHC
@@ -334,17 +328,83 @@ class HCForCausalLM(DepthForCausalLM):
     base_model_class = HCModel
 
 
+# ---- DepthBench / OLMo-core names (shared with mHC: the same connection modules and branch aliases)
+def olmo_connections(i: int):
+    """(OLMo-core, hf_depth) module paths of block ``i``'s two connections."""
+    L = f"model.layers.{i}"
+    return ((f"blocks.{i}.attention_hyper_connection", f"{L}.attn_connection"),
+            (f"blocks.{i}.feed_forward_hyper_connection", f"{L}.mlp_connection"))
+
+
+#: the HC module registers its branch too, so an OLMo-core state dict holds each branch weight twice
+_BRANCH_ALIASES = (
+    (r"^blocks\.(\d+)\.attention_hyper_connection\.branch\.norm\.(.+)$", "blocks.{}.attention_norm.{}"),
+    (r"^blocks\.(\d+)\.attention_hyper_connection\.branch\.attention\.(.+)$", "blocks.{}.attention.{}"),
+    (r"^blocks\.(\d+)\.feed_forward_hyper_connection\.branch\.norm\.(.+)$", "blocks.{}.feed_forward_norm.{}"),
+    (r"^blocks\.(\d+)\.feed_forward_hyper_connection\.branch\.feed_forward\.(.+)$", "blocks.{}.feed_forward.{}"),
+)
+
+
+def fold_branch_aliases(sd: dict) -> tuple[dict, list[str]]:
+    """The ``*_hyper_connection.branch.*`` aliases folded into the canonical keys (checked equal)."""
+    return fold_aliases(sd, _BRANCH_ALIASES)
+
+
+def branch_aliases(sd: dict) -> dict:
+    """The ``*_hyper_connection.branch.*`` aliases that an OLMo-core HC/mHC ``state_dict()`` also contains."""
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"^blocks\.(\d+)\.(attention_norm|attention|feed_forward_norm|feed_forward)\.(.+)$", k)
+        if m:
+            i, mod, rest = m.groups()
+            hc = "attention" if mod.startswith("attention") else "feed_forward"
+            out[f"blocks.{i}.{hc}_hyper_connection.branch.{'norm' if mod.endswith('_norm') else mod}.{rest}"] = v
+    return out
+
+
+#: DepthBench ``hyper_connections.reduce_mode`` -> hf_depth's final reduce
+DEPTHBENCH_REDUCE = {"sum": "sum_of_normed", "mean": "mean_then_norm", "auto": "sum_of_normed"}
+
+
+def olmo_reduce(block: dict, field: str) -> dict:
+    reduce = DEPTHBENCH_REDUCE.get((block.get("hyper_connections") or {}).get("reduce_mode"))
+    return {} if reduce is None else {field: reduce}
+
+
+#: DepthBench HyperConnection(kind="hc") -> hf_depth HC connection
+HC_NAMES = {"static_alpha": "static_alpha", "dynamic_alpha_proj": "dynamic_alpha", "dynamic_alpha_scale": "alpha_scale",
+            "static_beta": "static_beta", "dynamic_beta_proj": "dynamic_beta", "dynamic_beta_scale": "beta_scale"}
+#: the HC version, never guessed: True = ``H' = A_r^T H + beta y`` (hyper_connections.py @ 8cc2fd7), False =
+#: ``H' = H + beta y`` (the earlier version @ 5152cab); the state dicts of both are identical
+HC_VERSION = "hc_stream_mixing"
+
+
+def olmo_layer(config, i: int, options: dict) -> list:
+    rules = pre_norms(config, i)
+    for olmo, hf in olmo_connections(i):
+        rules += [one(f"{olmo}.{o}", f"{hf}.{h}") for o, h in HC_NAMES.items()]
+    return rules
+
+
+#: what HC and mHC share: the n-stream state and its init, and the OLMo-core branch aliases of their blocks
+MULTI_STREAM = dict(stream=MultiStream, init_scale=output_init_scale)
+MULTI_STREAM_OLMO = dict(fold=fold_branch_aliases, aliases=branch_aliases)
+
+OLMO = OlmoRules(
+    "hc", layer=olmo_layer, **MULTI_STREAM_OLMO,
+    infer=lambda sd: ({"hc_streams": int(sd["blocks.0.attention_hyper_connection.static_alpha"].shape[0])}
+                      if "blocks.0.attention_hyper_connection.static_alpha" in sd else {}),
+    json_fields=lambda block: olmo_reduce(block, "hc_final_reduce"),
+    forward_fields=(HC_VERSION, "hc_final_reduce"),
+    required={HC_VERSION: f"{HC_VERSION}=true for H' = A_r^T H + beta y, false for the earlier H' = H + beta y"},
+    record=lambda config, backend: {"hc_version": (
+        "H' = A_r^T H + beta y (hyper_connections.py @ 8cc2fd7)" if config.hc_stream_mixing
+        else "H' = H + beta y, no stream mixing (earlier hyper_connections.py @ 5152cab)")},
+)
+
 DESIGN = register(Design(
-    "hc",
-    HCConfig,
-    HCModel,
-    HCForCausalLM,
-    connection=HCConnection,
-    stream=MultiStream,
-    param_roles=HCConnection.param_roles,
-    init_scale=output_init_scale,
-    extra_params=hc_extra_params,
-    extra_flops=hc_extra_flops,
+    "hc", HCConfig, HCModel, HCForCausalLM, connection=HCConnection, param_roles=HCConnection.param_roles,
+    extra_params=hc_extra_params, extra_flops=hc_extra_flops, olmo=OLMO, **MULTI_STREAM,
     summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
     paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",
 ))

@@ -14,6 +14,7 @@ import torch
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
+from .olmo_rules import OlmoRules, norms_layer
 from .residual import Design, SublayerConnection, register
 
 
@@ -70,6 +71,11 @@ class KeelForCausalLM(DepthForCausalLM):
     base_model_class = KeelModel
 
 
+#: DepthBench ``keel``: the input norms plus the post norms (block 0 has no post-attention norm, as here)
+OLMO = OlmoRules("keel", layer=norms_layer({"post_attention_norm": "attn_connection.post_norm",
+                                            "post_feed_forward_norm": "mlp_connection.post_norm"},
+                                           absent=lambda i, olmo: i == 0 and olmo == "post_attention_norm"))
+
 DESIGN = register(Design(
     "keel",
     KeelConfig,
@@ -78,6 +84,7 @@ DESIGN = register(Design(
     param_roles={},
     connection=KeelConnection,
     extra_params=lambda config: (config.num_sublayers - 1) * norm_param_count(config, role="output"),
+    olmo=OLMO,
     summary="h <- N_post(alpha h + F(N_pre(h))), alpha = 2L",
     paper="Chen & Wei 2026, Post-LayerNorm Is Back: Stable, ExpressivE, and Deep (arXiv 2601.19895)",
 ))

@@ -7,9 +7,11 @@ buffer) so a layer-swap diagnostic that moves branch weights leaves it in place.
 """
 
 import math
+import re
 
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
+from .olmo_rules import OlmoRules
 from .residual import DEPTHBENCH_LRS, Design, SublayerConnection, register
 
 
@@ -47,6 +49,27 @@ class LNSForCausalLM(DepthForCausalLM):
     base_model_class = LNSModel
 
 
+_LN_SCALE = re.compile(r"^blocks\.(\d+)\.ln_scale$")
+
+
+def fold_ln_scale(sd: dict) -> tuple[dict, list[str]]:
+    """Older DepthBench saves LNS's 1/sqrt(i+1) as a buffer ``blocks.i.ln_scale``: hf_depth keeps it a constant, so
+    the buffer is checked (an inconsistency when it is not 1/sqrt(i+1)) and not stored."""
+    out, bad = {}, []
+    for k, v in sd.items():
+        m = _LN_SCALE.match(k)
+        if m is None:
+            out[k] = v
+            continue
+        want = 1.0 / math.sqrt(int(m.group(1)) + 1)
+        if v.numel() != 1 or abs(float(v) - want) > 1e-6:
+            bad.append(f"{k}={v.flatten()[:1].tolist()} (LNS expects 1/sqrt({int(m.group(1)) + 1})={want:.6f})")
+    return out, bad
+
+
+#: DepthBench's ``default_scaled`` block: Pre-LN keys, the scale buffer folded
+OLMO = OlmoRules("default_scaled", fold=fold_ln_scale)
+
 DESIGN = register(Design(
     "lns",
     LNSConfig,
@@ -56,6 +79,7 @@ DESIGN = register(Design(
     lr=1e-2,  # DepthBench
     sweep_lrs=DEPTHBENCH_LRS + (1e-2, 2e-2),
     connection=LNSConnection,
+    olmo=OLMO,
     summary="h <- h + F(N(h) / sqrt(l))",
     paper="Sun et al. 2025, The Curse of Depth in Large Language Models (arXiv 2502.05795)",
 ))

@@ -32,22 +32,27 @@ Extra parameters per sublayer: n d (n^2 + 2n) + n^2 + 2n + 3 (98 331 at d = 1024
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
 from .design_hc import (
     FINAL_REDUCES,
-    MultiStream,
+    MULTI_STREAM,
+    MULTI_STREAM_OLMO,
     MultiStreamConnection,
     _eps,
     _flag,
     multi_stream_flops,
-    output_init_scale,
+    olmo_connections,
+    olmo_reduce,
 )
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
 from .modeling_depth import DepthForCausalLM, DepthModel
+from .olmo_rules import OlmoRules, Rule, one, pre_norms
 from .residual import Design, register
 
 MHC_INITS = ("uniform", "identity")
@@ -105,17 +110,9 @@ class MHCConfig(DepthConfig):
         _flag("mhc_dynamic_tanh", self.mhc_dynamic_tanh)
         _choice("mhc_sinkhorn_order", self.mhc_sinkhorn_order, MHC_SINKHORN_ORDERS)
 
-    @property
-    def num_streams(self) -> int:
-        return self.mhc_streams
-
-    @property
-    def final_reduce(self) -> str:
-        return self.mhc_final_reduce
-
-    @property
-    def scale_output_init(self) -> bool:
-        return self.mhc_scale_output_init
+    num_streams = field_alias("mhc_streams")
+    final_reduce = field_alias("mhc_final_reduce")
+    scale_output_init = field_alias("mhc_scale_output_init")
 
 
 class MHCConnection(MultiStreamConnection):
@@ -209,17 +206,132 @@ class MHCForCausalLM(DepthForCausalLM):
     base_model_class = MHCModel
 
 
+# ---- DepthBench / OLMo-core names: three parameter layouts (backends) of one function (``docs/olmo_core.md``)
+#: hf_depth mHC parameters: one projection [n d, 2n + n^2] in the order [pre | post | res], gates, biases
+MHC_NAMES = {"phi": "dynamic_phi", "alpha": "alpha_scale", "bias": "static_bias"}
+MHC_BACKENDS = ("liger_mhc", "mhc", "mhc_static")
+#: hf_depth mHC fields that follow DepthBench's backend unless given (final reduce, RMS eps, tanh, Sinkhorn order)
+MHC_BACKEND_FIELDS = {
+    "liger_mhc": {"mhc_final_reduce": "mean_then_norm", "mhc_norm_eps": 1e-6},
+    "mhc": {"mhc_final_reduce": "sum_of_normed", "mhc_norm_eps": 1e-8, "mhc_dynamic_tanh": True,
+            "mhc_sinkhorn_order": "columns_first"},
+    "mhc_static": {"mhc_final_reduce": "sum_of_normed", "mhc_sinkhorn_order": "columns_first"},
+}
+
+
+def detect_backend(sd: dict) -> str | None:
+    if any(k.endswith("_hyper_connection.phi") for k in sd):
+        return "liger_mhc"
+    if any(k.endswith("_hyper_connection.H_res_logits") for k in sd):
+        return "mhc_static"
+    if any(k.endswith("_hyper_connection.residual_dynamic_proj") for k in sd):
+        return "mhc"
+    return None
+
+
+def _res_t(flat: torch.Tensor, n: int) -> torch.Tensor:
+    """Swap the (s, t) order of n*n columns (last dim): DepthBench's R[s, t] <-> hf_depth's R[t, s]."""
+    return flat.unflatten(-1, (n, n)).transpose(-1, -2).flatten(-2)
+
+
+def _gates(ts):
+    return [torch.stack([t.reshape(()) for t in ts])]
+
+
+def _logit(p: torch.Tensor) -> torch.Tensor:
+    return torch.log(p) - torch.log1p(-p)
+
+
+def _static_to_dynamic(n: int, d: int, tau: float):
+    """DepthBench ``mhc_static`` (softmax pre/post, Sinkhorn(res/tau), input independent) -> hf_depth's mHC form
+    with phi = 0: sigmoid(b_pre) = softmax(pre), 2 sigmoid(b_post) = softmax(post), b_res = (res / tau)^T."""
+
+    def to_hf(ts):
+        pre, post, res = (t.double() for t in ts)
+        b = torch.cat([_logit(torch.softmax(pre, -1)), _logit(torch.softmax(post, -1) / 2), (res / tau).T.flatten()])
+        phi = torch.zeros(n * d, n * n + 2 * n, dtype=ts[0].dtype)
+        return [phi, b.to(ts[0].dtype), torch.full((3,), 0.01, dtype=ts[0].dtype)]
+
+    def to_olmo(ts):
+        phi, b, _ = ts  # the gates multiply phi = 0: they carry no information here
+        pre, post = torch.sigmoid(b[:n].double()), 2 * torch.sigmoid(b[n : 2 * n].double())
+        if torch.count_nonzero(phi) or abs(float(pre.sum()) - 1) > 1e-5 or abs(float(post.sum()) - 1) > 1e-5:
+            raise ValueError(
+                "`mhc_backend`='mhc_static' cannot hold this model: it needs phi = 0 and read/write weights that "
+                f"sum to 1 (got sum(H_pre)={float(pre.sum()):.4f}, sum(H_post)={float(post.sum()):.4f}); "
+                "export with mhc_backend='liger_mhc' or 'mhc'"
+            )
+        res = b[2 * n :].unflatten(0, (n, n)).T * tau
+        return [torch.log(pre).to(b.dtype), torch.log(post).to(b.dtype), res]
+
+    return to_hf, to_olmo
+
+
+def _connection_rules(olmo: str, hf: str, backend: str, n: int, d: int, tau: float = 1.0) -> list:
+    H = {k: f"{hf}.{v}" for k, v in MHC_NAMES.items()}
+    unbind = lambda ts: list(ts[0].unbind(0))  # noqa: E731
+    if backend == "liger_mhc":  # Liger splits [pre | post | res] and applies H_res from the left, as here
+        return [one(f"{olmo}.phi", H["phi"]), one(f"{olmo}.b", H["bias"]),
+                Rule(tuple(f"{olmo}.alpha_{p}" for p in ("pre", "post", "res")), (H["alpha"],), to_hf=_gates,
+                     to_olmo=unbind)]
+    if backend == "mhc":  # DepthBench's torch backend applies H_res as mixed_t = sum_s R[s, t] H_s: transposed
+        return [
+            Rule(tuple(f"{olmo}.{p}_dynamic_proj" for p in ("pre", "post", "residual")), (H["phi"],),
+                 to_hf=lambda ts: [torch.cat([ts[0], ts[1], _res_t(ts[2], n)], dim=-1)],
+                 to_olmo=lambda ts: [ts[0][:, :n], ts[0][:, n : 2 * n], _res_t(ts[0][:, 2 * n :], n)]),
+            Rule(tuple(f"{olmo}.{p}_bias" for p in ("pre", "post", "residual")), (H["bias"],),
+                 to_hf=lambda ts: [torch.cat([ts[0], ts[1], ts[2].transpose(0, 1).flatten()])],
+                 to_olmo=lambda ts: [ts[0][:n], ts[0][n : 2 * n], ts[0][2 * n :].unflatten(0, (n, n)).transpose(0, 1)]),
+            Rule(tuple(f"{olmo}.{p}_gate" for p in ("pre", "post", "residual")), (H["alpha"],), to_hf=_gates,
+                 to_olmo=unbind),
+        ]
+    if backend == "mhc_static":
+        to_hf, to_olmo = _static_to_dynamic(n, d, tau)
+        return [Rule(tuple(f"{olmo}.H_{p}_logits" for p in ("pre", "post", "res")), (H["phi"], H["bias"], H["alpha"]),
+                     to_hf=to_hf, to_olmo=to_olmo)]
+    raise ValueError(f"`mhc_backend` must be one of {list(MHC_BACKENDS)}, got {backend!r}")
+
+
+def olmo_layer(config, i: int, options: dict) -> list:
+    rules = pre_norms(config, i)
+    for olmo, hf in olmo_connections(i):
+        rules += _connection_rules(olmo, hf, options["backend"], config.num_streams, config.hidden_size,
+                                   options["sinkhorn_tau"])
+    return rules
+
+
+def olmo_streams(sd: dict) -> dict:
+    """n from the first connection: ``pre_bias`` / ``H_pre_logits`` [n], or Liger's ``b`` [n^2 + 2n]."""
+    c = "blocks.0.attention_hyper_connection"
+    for k in (f"{c}.pre_bias", f"{c}.H_pre_logits"):
+        if k in sd:
+            return {"mhc_streams": int(sd[k].shape[0])}
+    if f"{c}.b" in sd:
+        return {"mhc_streams": int(round(math.sqrt(int(sd[f"{c}.b"].shape[0]) + 1) - 1))}
+    return {}
+
+
+def olmo_json(block: dict) -> dict:
+    hc = block.get("hyper_connections") or {}
+    out = olmo_reduce(block, "mhc_final_reduce")
+    if hc.get("kind") in MHC_BACKENDS:
+        out["mhc_backend"] = hc["kind"]
+    if hc.get("sinkhorn_tau") is not None:
+        out["sinkhorn_tau"] = float(hc["sinkhorn_tau"])
+    return out
+
+
+OLMO = OlmoRules(
+    "mhc", layer=olmo_layer, **MULTI_STREAM_OLMO, infer=olmo_streams,
+    json_fields=olmo_json, backends=MHC_BACKENDS, detect_backend=detect_backend,
+    defaults=lambda sd, backend: dict(MHC_BACKEND_FIELDS[backend]),
+    forward_fields=("mhc_dynamic_tanh", "mhc_sinkhorn_order", "mhc_final_reduce", "mhc_norm_eps"),
+    record=lambda config, backend: {"mhc_backend": backend},
+)
+
 DESIGN = register(Design(
-    "mhc",
-    MHCConfig,
-    MHCModel,
-    MHCForCausalLM,
-    connection=MHCConnection,
-    stream=MultiStream,
-    param_roles=MHCConnection.param_roles,
-    init_scale=output_init_scale,
-    extra_params=mhc_extra_params,
-    extra_flops=mhc_extra_flops,
+    "mhc", MHCConfig, MHCModel, MHCForCausalLM, connection=MHCConnection, param_roles=MHCConnection.param_roles,
+    extra_params=mhc_extra_params, extra_flops=mhc_extra_flops, olmo=OLMO, **MULTI_STREAM,
     summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
     "H_post = 2 sigmoid",
     paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880)",

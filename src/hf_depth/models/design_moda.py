@@ -35,6 +35,7 @@ from torch import nn
 from .configuration_depth import DepthConfig, _choice
 from .depth_ops import attach_moda_banks, moda_attention
 from .modeling_depth import DepthForCausalLM, DepthModel, apply_rotary_pos_emb
+from .olmo_rules import OlmoRules, one, pre_norms
 from .residual import AttentionCarry, Design, ResidualStream, SublayerConnection, register
 
 MODA_DEPTH_ROPE = ("rotated", "unrotated")
@@ -179,6 +180,19 @@ class MoDAForCausalLM(DepthForCausalLM):
     base_model_class = MoDAModel
 
 
+def olmo_layer(config, i: int, options: dict) -> list:
+    """DepthBench ``moda``: the input norms plus the FFN's depth K/V projection ``feed_forward.kv_proj`` [2 n_kv hd,
+    d] (rows [k | v]; absent in the last block) -> ``model.layers.i.kv_proj``."""
+    rules = pre_norms(config, i)
+    if i < config.num_hidden_layers - 1:
+        rules.append(one(f"blocks.{i}.feed_forward.kv_proj.weight", f"model.layers.{i}.kv_proj.weight"))
+    return rules
+
+
+#: the block wraps attention and FFN one level deeper; DepthBench caches depth keys before RoPE (``nn/moda.py``)
+OLMO = OlmoRules("moda", layer=olmo_layer, attention="attention.attention", feed_forward="feed_forward.feed_forward",
+                 defaults=lambda sd, backend: {"moda_depth_rope": "unrotated"}, forward_fields=("moda_depth_rope",))
+
 DESIGN = register(Design(
     "moda",
     MoDAConfig,
@@ -190,6 +204,7 @@ DESIGN = register(Design(
     extra_params=moda_extra_params,
     extra_flops=moda_extra_flops,
     extra_kv_bytes=moda_depth_kv_bytes,
+    olmo=OLMO,
     summary="attention softmax over [causal sequence KV | same-token depth KV of earlier sublayers]",
     paper="Zhu et al. 2026, Mixture-of-Depths Attention (arXiv 2603.15619)",
 ))

@@ -7,6 +7,7 @@ Extra parameters: none. DepthBench LR 2e-3. Equal to ``transformers.LlamaForCaus
 
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
+from .olmo_rules import OlmoRules
 from .residual import Design, register
 
 
@@ -30,12 +31,16 @@ class PreLNForCausalLM(DepthForCausalLM):
     base_model_class = PreLNModel
 
 
+#: DepthBench's ``default`` block: the Llama keys and the two input norms (``docs/olmo_core.md``)
+OLMO = OlmoRules("default")
+
 DESIGN = register(Design(
     "pre_ln",
     PreLNConfig,
     PreLNModel,
     PreLNForCausalLM,
     param_roles={},
+    olmo=OLMO,
     summary="h <- h + F(N(h))",
     paper="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture (arXiv 2002.04745)",
 ))

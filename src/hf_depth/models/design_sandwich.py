@@ -9,6 +9,7 @@ Extra parameters: +2d per block (the output norms, gamma_out = 1 at init; Output
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
+from .olmo_rules import OlmoRules, norms_layer
 from .residual import Design, SublayerConnection, register
 
 
@@ -41,6 +42,10 @@ class SandwichLNForCausalLM(DepthForCausalLM):
     base_model_class = SandwichLNModel
 
 
+#: DepthBench ``peri_norm``: the input norms plus ``post_attention_norm`` / ``post_feed_forward_norm``
+OLMO = OlmoRules("peri_norm", layer=norms_layer({"post_attention_norm": "attn_connection.output_norm",
+                                                 "post_feed_forward_norm": "mlp_connection.output_norm"}))
+
 DESIGN = register(Design(
     "sandwich_ln",
     SandwichLNConfig,
@@ -49,6 +54,7 @@ DESIGN = register(Design(
     param_roles={},
     connection=SandwichConnection,
     extra_params=lambda config: config.num_sublayers * norm_param_count(config, role="output"),
+    olmo=OLMO,
     summary="h <- h + N_out(F(N_in(h)))",
     paper="Ding et al. 2021, CogView (arXiv 2105.13290); Kim et al. 2025, Peri-LN (arXiv 2502.02732)",
 ))

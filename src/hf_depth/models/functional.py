@@ -118,10 +118,15 @@ def mhc_coefficients(
     n = H.shape[-2]
     x = _acc(H.flatten(-2))
     inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    proj = (x @ _acc(phi)) * inv_r
+    return mhc_gates((x @ _acc(phi)) * inv_r, _acc(alpha), _acc(bias), n, iters, tanh, columns_first)
+
+
+def mhc_gates(proj: torch.Tensor, a: torch.Tensor, b: torch.Tensor, n: int, iters: int, tanh: bool,
+              columns_first: bool, sinkhorn=sinkhorn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(H_pre, H_post, H_res) from the normalized projection ``proj`` [..., n^2 + 2n] = (x phi) / r, the gates
+    ``a`` [3] and biases ``b`` (shared by the reference and the kernel path, which passes its own ``sinkhorn``)."""
     if tanh:  # DepthBench's torch backend: gate * tanh(projection) + bias
         proj = torch.tanh(proj)
-    a, b = _acc(alpha), _acc(bias)
     pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
     post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
     res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))

@@ -153,6 +153,10 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+#: annotations checked as they are (no conversion), and how a wrong value is described
+_PLAIN = {bool: "true or false", str: "a string"}
+
+
 def _coerce(key: str, value: Any, tp) -> Any:
     """Return ``value`` checked against the annotation ``tp`` (ints accepted for floats); else ValueError."""
     origin = typing.get_origin(tp)
@@ -181,9 +185,9 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if not isinstance(value, dict):
             raise ValueError(f"`{key}` must be a mapping, got {value!r}")
         return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"`{key}` must be true or false, got {value!r}")
+    if tp in _PLAIN:
+        if not isinstance(value, tp):
+            raise ValueError(f"`{key}` must be {_PLAIN[tp]}, got {value!r}")
         return value
     if tp is int:
         if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
@@ -202,10 +206,6 @@ def _coerce(key: str, value: Any, tp) -> Any:
         if not math.isfinite(value):
             raise ValueError(f"`{key}` must be a finite number, got {value!r}")
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"`{key}` must be a string, got {value!r}")
-        return value
     raise TypeError(f"unsupported recipe annotation {tp!r} for `{key}`")
 
 

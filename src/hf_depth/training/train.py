@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError, reading, run_command
-from ..utils import flatten_dict
+from ..utils import flatten_dict, replace_path, temporary_sibling
 from . import distributed
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
@@ -201,7 +201,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, 
     ``sharded=(model, optimizer)`` (FSDP2) writes model and optimizer as a DCP folder instead of accelerate's
     full-state files; the RNG states are per process in both cases."""
     final = run_dir / "checkpoints" / f"step_{step:08d}"
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = temporary_sibling(final)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -213,8 +213,7 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, 
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        replace_path(tmp, final)
         for old in checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
