@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from ..errors import arg_number
 from .conventions import CONVENTIONS, DEFAULT
 from .data import DEFAULT_DATASET, load_calibration
 from .report import MEASUREMENTS, headline, run_diagnostics, write_report
@@ -30,10 +31,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="+", choices=MEASUREMENTS, default=list(MEASUREMENTS),
                    help="measurements to run (default: all)")
-    p.add_argument("--flops-seq-len", type=int, default=4096, help="T of the analytic prefill FLOPs (default 4096)")
+    p.add_argument("--flops-seq-len", type=arg_number(int, 1), default=4096, help="T of the analytic prefill FLOPs (default 4096)")
     p.add_argument("--no-measure-cost", action="store_true", help="analytic cost only (no timing runs)")
-    p.add_argument("--measure-seq-len", type=int, default=128, help="sequence length of the timing runs")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per cost measurement (median)")
+    p.add_argument("--measure-seq-len", type=arg_number(int, 1), default=128, help="sequence length of the timing runs")
+    p.add_argument("--repeats", type=arg_number(int, 1), default=3, help="timed repetitions per cost measurement (median)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--convention", choices=CONVENTIONS, default=DEFAULT,

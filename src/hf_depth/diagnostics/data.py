@@ -84,7 +84,9 @@ def _records(source: str, max_docs: int):
     elif suffix in (".txt", ".md", ""):
         if path.is_dir():
             raise UserError(f"`--data` {source!r} is a folder: give a .txt/.jsonl/.json/.pt/.npy file or hf:NAME")
-        yield {"text": path.read_text(encoding="utf-8", errors="replace")}
+        from ..errors import read_text
+
+        yield {"text": read_text(path, "`--data` text file")}
     else:
         raise ValueError(f"`--data` {source!r}: unsupported extension {suffix!r}; allowed .txt .md .jsonl .json .pt .npy")
 

@@ -234,6 +234,15 @@ def _did_you_mean(key, names) -> str:
 
 
 def _check_values(recipe: Recipe) -> None:
+    if not recipe.name.strip():
+        raise ValueError("`name` must be a non-empty run name (it names the run folder), got ''")
+    try:
+        run_dir = str(recipe.resolved_run_dir)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"`run_dir` {recipe.run_dir!r} may only use the placeholder {{name}} ({type(e).__name__}: "
+                         f"{e})") from None
+    if not recipe.run_dir.strip() or run_dir in (".", ""):
+        raise ValueError(f"`run_dir` must name a run folder (default 'runs/{{name}}'), got {recipe.run_dir!r}")
     for section in ("model", "data", "optim", "train"):
         for f in dataclasses.fields(getattr(recipe, section)):
             key, value = f"{section}.{f.name}", getattr(getattr(recipe, section), f.name)
@@ -254,6 +263,8 @@ def _check_values(recipe: Recipe) -> None:
     d = recipe.data
     if d.source == "hf" and not d.path:
         raise ValueError("`data.path` is required when `data.source` is 'hf' (a dataset name, or json/parquet)")
+    if d.data_files is not None and len(d.data_files) == 0:
+        raise ValueError("`data.data_files` is an empty list: list at least one file, or leave it null")
     if d.source == "memmap" and not d.data_files:
         raise ValueError("`data.data_files` is required when `data.source` is 'memmap' (.bin/.npy token files)")
     if d.tokenizer == "embedded" and d.tokenizer_vocab_size < 260:
@@ -347,9 +358,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"recipe file {str(path)!r} is not valid YAML ({_yaml_problem(e)}): fix the syntax") from None
+    if data is None:
+        raise ValueError(f"recipe file {str(path)!r} is empty: a recipe needs at least `model:` and `data:` sections "
+                         "(see recipes/train/)")
     if not isinstance(data, dict):
         raise ValueError(f"recipe file {str(path)!r} must hold a mapping (`model:`, `data:`, `optim:`, `train:` "
                          f"sections), got a {type(data).__name__} at the top level")
