@@ -231,6 +231,11 @@ def env(tmp_path_factory):
     (root / "acc_list.yaml").write_text("num_machines: [1, 2]\nnum_processes: 2\n")
     (root / "acc.yaml").write_text("num_machines: 1\nnum_processes: 2\n")
     (root / "outfile").write_text("keep me")
+    (recipes / "dup_key.yaml").write_text("model:\n  design: pre_ln\nmodel:\n  design: hc\n")
+    np.save(root / "ids_big.npy", np.full((4, 16), 10**6, dtype=np.int64))
+    torch.save(torch.full((2, 8), -3, dtype=torch.long), root / "ids_neg.pt")
+    (root / "ids_str.jsonl").write_text('{"input_ids": "abc"}\n')
+    (root / "num_text.jsonl").write_text('{"text": 5}\n')
     (root / "sw_torn" / "pre_ln_L2_d32_lr0.001").mkdir(parents=True)
     (root / "sw_torn" / "pre_ln_L2_d32_lr0.001" / "summary.json").write_text('{"status": ')
     from transformers import AutoModelForCausalLM
@@ -531,6 +536,25 @@ CLI_CASES = [
                                         "--attnres-block-size", "0"], "--attnres-block-size"),
     CliCase("convert-out-is-a-file", ["convert-olmo-core", "@olmo.pt", "@outfile", "--design", "pre_ln"], "outfile"),
     CliCase("convert-out-holds-src", ["convert-olmo-core", "{model}", "@", "--design", "pre_ln"], "holds the input"),
+    # round 2 (inputs not used while fixing the first ones): ids, text types, YAML repeats, empty strings
+    CliCase("recipe-duplicate-key", ["train", "@recipes/dup_key.yaml"], "duplicate key 'model'",
+            forbidden=["@runs/dup_key"]),
+    CliCase("seq-len-one", ["train", "{good}", "data.seq_len=1"], "data.seq_len", forbidden=_nothing_trained("good")),
+    CliCase("val-files-empty-list", ["train", "{good}", "data.val_data_files=[]"], "data.val_data_files",
+            forbidden=_nothing_trained("good")),
+    CliCase("split-empty", ["train", "{good}", "data.split="], "data.split", forbidden=_nothing_trained("good")),
+    CliCase("sweep-repeated-shape", ["sweep", "{good}", "--designs", "pre_ln", "--shapes", "2x32", "2X32", "--print"],
+            "appears twice"),
+    CliCase("diagnose-ids-outside-vocab", ["diagnose", "{model}", "--data", "@ids_big.npy", "--out", "@d13"],
+            "ids_big.npy", forbidden=["@d13/report.json"]),
+    CliCase("diagnose-negative-ids", ["diagnose", "{model}", "--data", "@ids_neg.pt", "--out", "@d14"], "ids_neg.pt",
+            forbidden=["@d14/report.json"]),
+    CliCase("diagnose-ids-not-ints", ["diagnose", "{model}", "--data", "@ids_str.jsonl", "--out", "@d15"],
+            "ids_str.jsonl", forbidden=["@d15/report.json"]),
+    CliCase("diagnose-text-not-str", ["diagnose", "{model}", "--data", "@num_text.jsonl", "--out", "@d16"],
+            "num_text.jsonl", forbidden=["@d16/report.json"]),
+    CliCase("val-loss-text-not-str", ["val-loss", "{model}", "--data", "@num_text.jsonl", "--output", "@vl12.json"],
+            "num_text.jsonl", forbidden=["@vl12.json"]),
     # eval: the model and the flags are checked before any task runs
     CliCase("eval-missing-model", ["eval", "@nope_model/", "--output", "@e1"], "nope_model", forbidden=["@e1"]),
     CliCase("eval-no-config", ["eval", "{no_config}", "--output", "@e2"], "no_config", forbidden=["@e2"]),

@@ -176,6 +176,26 @@ def read_json(path, what: str = "JSON file", expect: type | None = dict):
     return _kind_check(path, value, expect, what)
 
 
+def yaml_load(text: str):
+    """``yaml.safe_load`` that refuses a repeated mapping key (PyYAML silently keeps the last one, so a recipe with
+    two ``model:`` sections would train the second): a ``yaml.YAMLError`` with the line of the repeat."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if not isinstance(key, (str, int, float, bool)):
+                    continue
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def read_yaml(path, what: str = "YAML file", expect: type | None = dict, empty=None):
     """``yaml.safe_load`` of the user's file (``empty`` for an empty one); malformed or of the wrong top-level kind
     is a :class:`UserError` naming the file and the line."""
@@ -183,7 +203,7 @@ def read_yaml(path, what: str = "YAML file", expect: type | None = dict, empty=N
 
     text = read_text(path, what)
     try:
-        value = yaml.safe_load(text)
+        value = yaml_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""

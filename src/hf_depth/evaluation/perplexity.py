@@ -68,6 +68,9 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
                         raise UserError(f"`--data` {str(path)!r} line {i + 1} is not JSON ({e})") from None
                     if not isinstance(row, dict) or text_field not in row:
                         raise ValueError(f"`--text-field` {text_field!r} missing in line {i + 1} of {path}")
+                    if not isinstance(row[text_field], str):
+                        raise UserError(f"`--data` {str(path)!r} line {i + 1}: `--text-field` {text_field!r} must "
+                                        f"hold a string, got {type(row[text_field]).__name__}")
                     docs.append(row[text_field])
         return docs
     if path.suffix in (".txt", ".md", ""):

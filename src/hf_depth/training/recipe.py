@@ -263,8 +263,15 @@ def _check_values(recipe: Recipe) -> None:
     d = recipe.data
     if d.source == "hf" and not d.path:
         raise ValueError("`data.path` is required when `data.source` is 'hf' (a dataset name, or json/parquet)")
-    if d.data_files is not None and len(d.data_files) == 0:
-        raise ValueError("`data.data_files` is an empty list: list at least one file, or leave it null")
+    for key, files in (("data.data_files", d.data_files), ("data.val_data_files", d.val_data_files)):
+        if files is not None and len(files) == 0:
+            raise ValueError(f"`{key}` is an empty list: list at least one file, or leave it null")
+    for key, value in (("data.split", d.split), ("data.text_field", d.text_field), ("data.tokenizer", d.tokenizer),
+                       ("model.design", recipe.model.design)):
+        if not value.strip():
+            raise ValueError(f"`{key}` must be a non-empty string, got {value!r}")
+    if d.seq_len < 2:
+        raise ValueError(f"`data.seq_len` must be >= 2 (a token and the next one to predict), got {d.seq_len}")
     if d.source == "memmap" and not d.data_files:
         raise ValueError("`data.data_files` is required when `data.source` is 'memmap' (.bin/.npy token files)")
     if d.tokenizer == "embedded" and d.tokenizer_vocab_size < 260:
@@ -358,7 +365,9 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        from ..errors import yaml_load
+
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"recipe file {str(path)!r} is not valid YAML ({_yaml_problem(e)}): fix the syntax") from None
     if data is None:

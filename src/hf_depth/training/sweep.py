@@ -126,6 +126,12 @@ def expand(designs, shapes=None, lrs=None, out="runs/sweep", target=None, depths
         for L, d in design_shapes:
             for lr in (lrs or default_lrs(design)):
                 runs.append(SweepRun(design, L, d, float(lr), str(Path(out) / f"{design}_L{L}_d{d}_lr{float(lr):g}")))
+    seen = set()
+    for r in runs:
+        if r.run_dir in seen:
+            raise ValueError(f"run {Path(r.run_dir).name} appears twice: `designs`, `shapes`/`depths` and `lrs` must "
+                             "not repeat an entry")
+        seen.add(r.run_dir)
     return runs
 
 
