@@ -137,10 +137,41 @@ def test_transformers_kwargs_do_not_warn():
     assert c._attn_implementation == "eager"
 
 
-def test_eos_inside_the_vocabulary_except_the_depthbench_default():
-    assert hf_depth.config_for("pre_ln", vocab_size=97).eos_token_id == 50279  # the documented exemption
+def test_eos_inside_the_vocabulary():
+    assert hf_depth.config_for("pre_ln", vocab_size=50280).eos_token_id == 50279  # the DepthBench default
     with pytest.raises(ValueError, match="`eos_token_id`"):
         hf_depth.config_for("pre_ln", vocab_size=97, eos_token_id=50278)
+
+
+@pytest.mark.parametrize("name, value", [("eos_token_id", 50279), ("eos_token_id", [1, 50279]),
+                                         ("pad_token_id", 97), ("bos_token_id", 50279), ("eos_token_id", -3)])
+def test_explicit_token_id_outside_a_tiny_vocabulary_is_refused(name, value):
+    """No id is exempt: the DepthBench ids 50279 / 1 given explicitly with a 97-token vocabulary are refused, with
+    the field and the allowed range named."""
+    with pytest.raises(ValueError, match=rf"`{name}` must be None or an integer in \[0, vocab_size=97\)"):
+        hf_depth.config_for("pre_ln", vocab_size=97, **{name: value})
+
+
+def test_default_token_ids_follow_the_vocabulary(tmp_path):
+    """A *default* id the vocabulary lacks becomes None (and round-trips as None); explicit ids are kept as given."""
+    from transformers import AutoConfig
+
+    tiny = hf_depth.config_for("pre_ln", vocab_size=97)
+    assert (tiny.eos_token_id, tiny.pad_token_id, tiny.bos_token_id) == (None, 1, None)
+    assert hf_depth.config_for("pre_ln", vocab_size=1).pad_token_id is None
+    full = hf_depth.config_for("pre_ln")
+    assert (full.eos_token_id, full.pad_token_id) == (50279, 1) and type(full.eos_token_id) is int
+    assert hf_depth.config_for("pre_ln", vocab_size=97, eos_token_id=5).eos_token_id == 5
+    assert hf_depth.config_for("pre_ln", vocab_size=97, eos_token_id=None).eos_token_id is None
+    tiny.save_pretrained(tmp_path / "tiny")
+    assert json.loads((tmp_path / "tiny" / "config.json").read_text())["eos_token_id"] is None
+    assert AutoConfig.from_pretrained(tmp_path / "tiny").eos_token_id is None
+    for edit in ({"eos_token_id": 50279}, {"pad_token_id": 97}, {"bos_token_id": -1}):
+        cfg = json.loads((tmp_path / "tiny" / "config.json").read_text())
+        (tmp_path / "tiny" / "config.json").write_text(json.dumps({**cfg, **edit}))
+        with pytest.raises(ValueError, match=f"`{next(iter(edit))}` must be None or an integer in"):
+            AutoConfig.from_pretrained(tmp_path / "tiny")
+        (tmp_path / "tiny" / "config.json").write_text(json.dumps(cfg))
 
 
 # ---------------------------------------------------------------------------------------------- CLI table
@@ -191,6 +222,28 @@ def env(tmp_path_factory):
         return str(path)
 
     (recipes / "malformed.yaml").write_text("model:\n  design: pre_ln\n hidden_size: [32\n")
+    (recipes / "empty.yaml").write_text("# nothing but a comment\n")
+    _fake_runs(root, model_dir)
+    (root / "garbage.txt").write_bytes(b"\xff\xfe" + rng.bytes(512))
+    (root / "bad.json").write_text('{\n "model": {"d_model": 32,\n oops}\n')
+    (root / "list.json").write_text("[1, 2]")
+    (root / "acc_bad.yaml").write_text("num_machines: [1\n")
+    (root / "acc_list.yaml").write_text("num_machines: [1, 2]\nnum_processes: 2\n")
+    (root / "acc.yaml").write_text("num_machines: 1\nnum_processes: 2\n")
+    (root / "outfile").write_text("keep me")
+    (recipes / "dup_key.yaml").write_text("model:\n  design: pre_ln\nmodel:\n  design: hc\n")
+    np.save(root / "ids_big.npy", np.full((4, 16), 10**6, dtype=np.int64))
+    torch.save(torch.full((2, 8), -3, dtype=torch.long), root / "ids_neg.pt")
+    (root / "ids_str.jsonl").write_text('{"input_ids": "abc"}\n')
+    (root / "num_text.jsonl").write_text('{"text": 5}\n')
+    (root / "sw_torn" / "pre_ln_L2_d32_lr0.001").mkdir(parents=True)
+    (root / "sw_torn" / "pre_ln_L2_d32_lr0.001" / "summary.json").write_text('{"status": ')
+    from transformers import AutoModelForCausalLM
+
+    from hf_depth.olmo_core import hf_depth_to_olmo_core
+
+    torch.save(hf_depth_to_olmo_core(AutoModelForCausalLM.from_pretrained(model_dir)), root / "olmo.pt")
+    sweep_file = {"recipe": "{good}", "designs": ["pre_ln"], "shapes": ["2x32"], "lrs": [1e-3]}
     (recipes / "list.yaml").write_text("- model\n- data\n")
     (recipes / "scalar.yaml").write_text("just a string\n")
     (recipes / "binary.yaml").write_bytes(rng.bytes(256))
@@ -205,10 +258,64 @@ def env(tmp_path_factory):
         "notext_json": recipe("notext_json", data={"data_files": [str(root / "notext.jsonl")]}),
         "missing_json": recipe("missing_json", data={"data_files": [str(root / "nope.jsonl")]}),
     }
+    for name, edit in (("lr_nan", {"lrs": [NAN]}), ("typo", {"desings": ["pre_ln"]}), ("out_int", {"out": 5}),
+                       ("designs_str", {"designs": "pre_ln"}), ("shapes_int", {"shapes": [24]})):
+        d = {**sweep_file, "recipe": paths["good"], "out": str(root / f"sw_{name}"), **edit}
+        (recipes / f"sweep_{name}.yaml").write_text(yaml.safe_dump(d))
     for name in ("empty.bin", "odd.bin", "short.bin", "random.npy", "floats.npy", "matrix.npy", "missing.bin"):
         paths[f"memmap:{name}"] = recipe(f"mm_{name.replace('.', '_')}", data={
             "source": "memmap", "path": None, "data_files": [str(root / name)]})
     return paths
+
+
+RUN_FILES = {  # a finished run's files as train.py writes them (final/ is the tiny model)
+    "summary.json": json.dumps({"name": "r", "status": "finished", "design": "pre_ln", "num_hidden_layers": 2,
+                                "hidden_size": 32, "lr": 1e-3, "params": 1000, "tokens": 64, "best_val_loss": 5.0,
+                                "steps": 2, "scale_vector": "standard"}),
+    "run.json": json.dumps({"version": "0", "design": "pre_ln"}),
+    "recipe.yaml": "name: r\nmodel:\n  design: pre_ln\n",
+    "metrics.jsonl": '{"step": 1, "tokens": 32, "loss": 6.0}\n{"step": 2, "tokens": 64, "loss": 5.5}\n',
+}
+BROKEN_RUNS = {  # run folder name -> {file: broken content}
+    "summary_torn": {"summary.json": '{"name": "r",\n "status": '},
+    "summary_list": {"summary.json": "[1, 2]"},
+    "summary_binary": {"summary.json": b"\x89PNG\r\n\x1a\n\xff\x00"},
+    "summary_no_design": {"summary.json": '{"status": "finished", "best_val_loss": 3.0}'},
+    "summary_bad_type": {"summary.json": json.dumps({**json.loads(RUN_FILES["summary.json"]), "best_val_loss": "low"})},
+    "runjson_torn": {"run.json": '{\n\n "version": '},
+    "recipe_torn": {"recipe.yaml": "model: [1\n design: x\n"},
+    "metrics_torn": {"metrics.jsonl": '{"step": 1, "tokens": 32, "loss": 6.0}\n{"step": 2, "tok\n'},
+    "metrics_no_loss": {"metrics.jsonl": '{"step": 1, "tokens": 32}\n'},
+    "eval_torn": {"eval_results.json": "{not json"},
+    "eval_strings": {"eval_results.json": '{"hfd_sciq_mc": {"acc": "high"}}'},
+    "diag_torn": {"diagnostics/report.json": "{oops"},
+    "final_truncated": {"final/model.safetensors": None},  # truncated by _fake_runs
+}
+
+
+def _fake_runs(root: Path, model_dir: Path) -> None:
+    """``root/runs_ok/good`` (a finished run) and one broken copy per :data:`BROKEN_RUNS` entry under ``root/runs_bad``."""
+    def write(run, files):
+        (run / "final").parent.mkdir(parents=True, exist_ok=True)
+        if not (run / "final").exists():
+            shutil.copytree(model_dir, run / "final")
+        for name, text in files.items():
+            path = run / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if text is None:
+                path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+            elif isinstance(text, bytes):
+                path.write_bytes(text)
+            else:
+                path.write_text(text)
+
+    write(root / "runs_ok" / "good", RUN_FILES)
+    for name, files in BROKEN_RUNS.items():
+        write(root / "runs_bad" / name, RUN_FILES)
+        write(root / "runs_bad" / name, files)
+        (root / "results_bad" / name).mkdir(parents=True, exist_ok=True)
+        if "summary.json" in files:  # results reads only summaries: one broken summary per results root
+            shutil.copy(root / "runs_bad" / name / "summary.json", root / "results_bad" / name / "summary.json")
 
 
 class _Payload:
@@ -334,6 +441,130 @@ CLI_CASES = [
     # export / results
     CliCase("export-not-a-run", ["export", "{no_config}"], "no_config"),
     CliCase("results-empty", ["results", "@recipes"], "summary.json"),
+    *[CliCase(f"export-{name}", ["export", f"@runs_bad/{name}"], next(iter(files)).split("/")[-1] if name != "final_truncated"
+              else "final", forbidden=[f"@runs_bad/{name}/export"]) for name, files in BROKEN_RUNS.items()],
+    *[CliCase(f"results-{name}", ["results", f"@results_bad/{name}"], "summary.json",
+              forbidden=[f"@results_bad/{name}/results/best.csv"]) for name, files in BROKEN_RUNS.items()
+      if "summary.json" in files],
+    CliCase("export-out-is-a-file", ["export", "@runs_ok/good", "--out", "@outfile"], "outfile"),
+    CliCase("export-out-is-the-run", ["export", "@runs_ok/good", "--out", "@runs_ok"], "runs_ok",
+            forbidden=["@runs_ok.tmp"]),
+    CliCase("results-root-is-a-file", ["results", "@good.txt"], "good.txt"),
+    CliCase("results-loss-nan", ["results", "@runs_ok", "--loss", "nan"], "--loss", forbidden=["@runs_ok/results"]),
+    # shapes (NaN / inf targets used to loop forever)
+    CliCase("shapes-target-nan", ["shapes", "--target", "nan"], "--target"),
+    CliCase("shapes-target-inf", ["shapes", "--target", "inf"], "--target"),
+    CliCase("shapes-tolerance-nan", ["shapes", "--tolerance", "nan"], "--tolerance"),
+    CliCase("shapes-heads-zero", ["shapes", "--heads", "0"], "--heads"),
+    CliCase("shapes-depth-zero", ["shapes", "--depths", "0"], "--depths"),
+    # more recipes and overrides
+    CliCase("recipe-only-a-comment", ["train", "@recipes/empty.yaml"], "empty.yaml", forbidden=["@runs/empty"]),
+    CliCase("data-files-empty-list", ["train", "{good}", "data.data_files=[]"], "data.data_files", forbidden=[R("good")]),
+    CliCase("tokenizer-missing", ["train", "{good}", "data.tokenizer=@nope_tok"], "data.tokenizer",
+            forbidden=_nothing_trained("good")),
+    CliCase("vocab-below-tokenizer", ["train", "{good}", "model.vocab_size=100"], "model.vocab_size",
+            forbidden=_nothing_trained("good")),
+    CliCase("eos-outside-vocab", ["train", "{good}", "model.fields={eos_token_id: 99999}"], "eos_token_id",
+            forbidden=_nothing_trained("good")),
+    CliCase("name-empty", ["train", "{good}", "name="], "`name`"),
+    CliCase("run-dir-placeholder", ["train", "{good}", "run_dir=runs/{nam}"], "run_dir"),
+    CliCase("ignore-rng-without-resume", ["train", "{good}", "--resume-ignore-rng"], "--resume",
+            forbidden=_nothing_trained("good")),
+    # launch-commands
+    CliCase("launch-nodes-zero", ["launch-commands", "{good}", "--accelerate-config", "@acc.yaml", "--nodes", "0"],
+            "--nodes"),
+    CliCase("launch-port-range", ["launch-commands", "{good}", "--accelerate-config", "@acc.yaml", "--port", "70000"],
+            "--port"),
+    CliCase("launch-global-batch-zero", ["launch-commands", "{good}", "--accelerate-config", "@acc.yaml",
+                                         "--global-batch", "0"], "--global-batch"),
+    CliCase("launch-config-torn", ["launch-commands", "{good}", "--accelerate-config", "@acc_bad.yaml"], "acc_bad.yaml"),
+    CliCase("launch-config-types", ["launch-commands", "{good}", "--accelerate-config", "@acc_list.yaml"],
+            "num_machines"),
+    CliCase("launch-config-folder", ["launch-commands", "{good}", "--accelerate-config", "@recipes"], "recipes"),
+    # sweep
+    CliCase("sweep-yaml-malformed", ["sweep", "@recipes/malformed.yaml", "--designs", "pre_ln", "--shapes", "2x32",
+                                     "--print"], "malformed.yaml"),
+    CliCase("sweep-yaml-binary", ["sweep", "@recipes/binary.yaml", "--print"], "binary.yaml"),
+    CliCase("sweep-recipe-missing-print", ["sweep", "@recipes/nope.yaml", "--designs", "pre_ln", "--shapes", "2x32",
+                                           "--print"], "nope.yaml"),
+    CliCase("sweep-lrs-nan", ["sweep", "{good}", "--designs", "pre_ln", "--shapes", "2x32", "--lrs", "nan", "--print"],
+            "--lrs"),
+    CliCase("sweep-target-nan", ["sweep", "{good}", "--designs", "pre_ln", "--target", "nan", "--depths", "2"],
+            "--target"),
+    CliCase("sweep-bad-override-print", ["sweep", "{good}", "--designs", "pre_ln", "--shapes", "2x32", "--print",
+                                         "train.micro_batch_size=0"], "train.micro_batch_size"),
+    CliCase("sweep-shape-not-divisible", ["sweep", "{good}", "--designs", "pre_ln", "--shapes", "2x33", "--print"],
+            "pre_ln_L2_d33"),
+    CliCase("sweep-file-lr-nan", ["sweep", "@recipes/sweep_lr_nan.yaml", "--print"], "lrs"),
+    CliCase("sweep-file-typo", ["sweep", "@recipes/sweep_typo.yaml", "--print"], "did you mean `designs`"),
+    CliCase("sweep-file-out-int", ["sweep", "@recipes/sweep_out_int.yaml", "--print"], "`out`"),
+    CliCase("sweep-file-designs-string", ["sweep", "@recipes/sweep_designs_str.yaml", "--print"], "`designs`"),
+    CliCase("sweep-file-shapes-int", ["sweep", "@recipes/sweep_shapes_int.yaml", "--print"], "`shapes`"),
+    CliCase("sweep-summary-torn", ["sweep", "{good}", "--designs", "pre_ln", "--shapes", "2x32", "--lrs", "1e-3",
+                                   "--out", "@sw_torn"], "summary.json", forbidden=["@sw_torn/pre_ln_L2_d32_lr0.001/final"]),
+    # val-loss / diagnose: binary text, counts
+    CliCase("val-loss-binary-txt", ["val-loss", "{model}", "--data", "@garbage.txt", "--output", "@vl10.json"],
+            "garbage.txt", forbidden=["@vl10.json"]),
+    CliCase("val-loss-max-tokens-zero", ["val-loss", "{model}", "--data", "@good.txt", "--max-tokens", "0", "--output",
+                                         "@vl11.json"], "--max-tokens", forbidden=["@vl11.json"]),
+    CliCase("diagnose-binary-txt", ["diagnose", "{model}", "--data", "@garbage.txt", "--out", "@d11"], "garbage.txt",
+            forbidden=["@d11/report.json"]),
+    CliCase("diagnose-repeats-zero", ["diagnose", "{model}", "--data", "@good.txt", "--out", "@d12", "--repeats", "0"],
+            "--repeats", forbidden=["@d12/report.json"]),
+    # convert-olmo-core: config file, --set, output folder
+    CliCase("convert-config-missing", ["convert-olmo-core", "@olmo.pt", "@c6", "--design", "pre_ln", "--config",
+                                       "@nope.json"], "nope.json", forbidden=["@c6/config.json"]),
+    CliCase("convert-config-torn", ["convert-olmo-core", "@olmo.pt", "@c7", "--design", "pre_ln", "--config",
+                                    "@bad.json"], "bad.json", forbidden=["@c7/config.json"]),
+    CliCase("convert-config-list", ["convert-olmo-core", "@olmo.pt", "@c8", "--design", "pre_ln", "--config",
+                                    "@list.json"], "list.json", forbidden=["@c8/config.json"]),
+    CliCase("convert-set-typo", ["convert-olmo-core", "@olmo.pt", "@c9", "--design", "pre_ln", "--set",
+                                 "num_atention_heads=4"], "did you mean `num_attention_heads`",
+            forbidden=["@c9/config.json"]),
+    CliCase("convert-set-list", ["convert-olmo-core", "@olmo.pt", "@c10", "--design", "pre_ln", "--set",
+                                 "num_attention_heads=[1,2]"], "num_attention_heads", forbidden=["@c10/config.json"]),
+    CliCase("convert-set-nan", ["convert-olmo-core", "@olmo.pt", "@c11", "--design", "pre_ln", "--set", "rope_theta=NaN",
+                                "--set", "num_attention_heads=4", "--set", "rms_norm_eps=1e-6"], "rope_theta",
+            forbidden=["@c11/config.json"]),
+    CliCase("convert-set-eos", ["convert-olmo-core", "@olmo.pt", "@c12", "--design", "pre_ln", "--set",
+                                "eos_token_id=99999", "--set", "num_attention_heads=4", "--set", "rope_theta=1e4",
+                                "--set", "rms_norm_eps=1e-6"], "eos_token_id", forbidden=["@c12/config.json"]),
+    CliCase("convert-shard-size", ["convert-olmo-core", "@olmo.pt", "@c13", "--design", "pre_ln", "--set",
+                                   "num_attention_heads=4", "--set", "rope_theta=1e4", "--set", "rms_norm_eps=1e-6",
+                                   "--max-shard-size", "lots"], "--max-shard-size", forbidden=["@c13/config.json"]),
+    CliCase("convert-block-size-zero", ["convert-olmo-core", "@olmo.pt", "@c14", "--design", "attnres",
+                                        "--attnres-block-size", "0"], "--attnres-block-size"),
+    CliCase("convert-out-is-a-file", ["convert-olmo-core", "@olmo.pt", "@outfile", "--design", "pre_ln"], "outfile"),
+    CliCase("convert-out-holds-src", ["convert-olmo-core", "{model}", "@", "--design", "pre_ln"], "holds the input"),
+    # round 2 (inputs not used while fixing the first ones): ids, text types, YAML repeats, empty strings
+    CliCase("recipe-duplicate-key", ["train", "@recipes/dup_key.yaml"], "duplicate key 'model'",
+            forbidden=["@runs/dup_key"]),
+    CliCase("seq-len-one", ["train", "{good}", "data.seq_len=1"], "data.seq_len", forbidden=_nothing_trained("good")),
+    CliCase("val-files-empty-list", ["train", "{good}", "data.val_data_files=[]"], "data.val_data_files",
+            forbidden=_nothing_trained("good")),
+    CliCase("split-empty", ["train", "{good}", "data.split="], "data.split", forbidden=_nothing_trained("good")),
+    CliCase("sweep-repeated-shape", ["sweep", "{good}", "--designs", "pre_ln", "--shapes", "2x32", "2X32", "--print"],
+            "appears twice"),
+    CliCase("diagnose-ids-outside-vocab", ["diagnose", "{model}", "--data", "@ids_big.npy", "--out", "@d13"],
+            "ids_big.npy", forbidden=["@d13/report.json"]),
+    CliCase("diagnose-negative-ids", ["diagnose", "{model}", "--data", "@ids_neg.pt", "--out", "@d14"], "ids_neg.pt",
+            forbidden=["@d14/report.json"]),
+    CliCase("diagnose-ids-not-ints", ["diagnose", "{model}", "--data", "@ids_str.jsonl", "--out", "@d15"],
+            "ids_str.jsonl", forbidden=["@d15/report.json"]),
+    CliCase("diagnose-text-not-str", ["diagnose", "{model}", "--data", "@num_text.jsonl", "--out", "@d16"],
+            "num_text.jsonl", forbidden=["@d16/report.json"]),
+    CliCase("val-loss-text-not-str", ["val-loss", "{model}", "--data", "@num_text.jsonl", "--output", "@vl12.json"],
+            "num_text.jsonl", forbidden=["@vl12.json"]),
+    # eval: the model and the flags are checked before any task runs
+    CliCase("eval-missing-model", ["eval", "@nope_model/", "--output", "@e1"], "nope_model", forbidden=["@e1"]),
+    CliCase("eval-no-config", ["eval", "{no_config}", "--output", "@e2"], "no_config", forbidden=["@e2"]),
+    CliCase("eval-limit-nan", ["eval", "{model}", "--limit", "nan", "--output", "@e3"], "--limit", forbidden=["@e3"]),
+    CliCase("eval-batch-zero", ["eval", "{model}", "--batch-size", "0", "--output", "@e4"], "--batch-size",
+            forbidden=["@e4"]),
+    CliCase("eval-unknown-task", ["eval", "{model}", "--tasks", "hfd_sciq_mcq", "--output", "@e5"], "hfd_sciq_mcq",
+            forbidden=["@e5"]),
+    CliCase("eval-data-dir-missing", ["eval", "{model}", "--data-dir", "@nope_dd", "--output", "@e6"], "--data-dir",
+            forbidden=["@e6"]),
 ]
 
 

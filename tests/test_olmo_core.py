@@ -330,6 +330,8 @@ def test_distributed_checkpoint_folder(tmp_path):
 
 def test_tokenizer_defaults():
     sd = _fixture_default()
+    vocab = olmo_core.TOKENIZER["vocab_size"]  # a checkpoint with DepthBench's vocabulary (eos 50279 inside it)
+    sd["embeddings.weight"], sd["lm_head.w_out.weight"] = _t(vocab, D, seed=101), _t(vocab, D, seed=102)
     conv = olmo_core_to_hf_depth(sd, "default", num_attention_heads=H, rope_theta=1e4, rms_norm_eps=1e-6)
     assert conv.config.pad_token_id == olmo_core.TOKENIZER["pad_token_id"]
     assert conv.config.eos_token_id == olmo_core.TOKENIZER["eos_token_id"]

@@ -14,7 +14,6 @@ Diagnostics add their headline numbers with ``write_model_card(folder, run_dir, 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import string
 import sys
@@ -31,12 +30,21 @@ LOCAL_BUILDERS = {"json", "parquet", "csv", "text", "arrow"}
 def _read_run(run_dir: Path) -> tuple[dict, dict, dict, list[dict]]:
     if not (run_dir / "final" / "config.json").exists():
         raise ValueError(f"{str(run_dir)!r} has no final/ model: is it a finished hf-depth run folder?")
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {}
-    meta = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").exists() else {}
-    recipe = yaml.safe_load((run_dir / "recipe.yaml").read_text()) if (run_dir / "recipe.yaml").exists() else {}
-    metrics = []
-    if (run_dir / "metrics.jsonl").exists():
-        metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    from .errors import UserError, read_json, read_jsonl, read_yaml
+
+    summary = {}
+    if (run_dir / "summary.json").exists():
+        from .training.results import check_summary
+
+        summary = check_summary(run_dir / "summary.json", read_json(run_dir / "summary.json", "run summary"))
+    meta = read_json(run_dir / "run.json", "run record") if (run_dir / "run.json").exists() else {}
+    recipe = read_yaml(run_dir / "recipe.yaml", "recipe", empty={}) if (run_dir / "recipe.yaml").exists() else {}
+    metrics = read_jsonl(run_dir / "metrics.jsonl", "metrics file") if (run_dir / "metrics.jsonl").exists() else []
+    for i, m in enumerate(metrics):
+        bad = [k for k in ("tokens", "loss") if isinstance(m.get(k), bool) or not isinstance(m.get(k), (int, float))]
+        if bad:
+            raise UserError(f"{str(run_dir / 'metrics.jsonl')!r}: row {i + 1} has no numeric `{bad[0]}` "
+                            f"(a metrics row holds step, tokens, loss): {m!r:.80}")
     return summary, meta, recipe, metrics
 
 
@@ -92,12 +100,19 @@ def eval_section(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / EVAL_RESULTS
     if not path.exists():
         return None
-    results = json.loads(path.read_text())
+    from .errors import read_json, reading
+
+    results = read_json(path, "evaluation results")
     rows = ["| task | metric | value |", "|---|---|---|"]
-    rows += [f"| {task} | {metric} | {value:.4f} |" for task, metrics in results.items()
-             for metric, value in metrics.items()]
+    with reading(path, "evaluation results", "it must map each task to {metric: number}, as `hf-depth eval` writes"):
+        rows += [f"| {task} | {metric} | {float(value):.4f} |" for task, metrics in results.items()
+                 for metric, value in metrics.items()]
     full = Path(run_dir) / "eval" / "results.json"
-    limit = json.loads(full.read_text()).get("config", {}).get("limit") if full.exists() else None
+    limit = None
+    if full.exists():
+        with reading(full, "lm-eval results"):
+            limit = (read_json(full, "lm-eval results").get("config") or {}).get("limit")
+            limit = None if limit is None else float(limit)
     note = f" on the first {limit:g} documents of each task (`--limit`: a smoke test, not a score)" if limit else ""
     return "\n".join(rows) + f"\n\nFrom `hf-depth eval`{note}; prompts and metrics: hf_depth's `eval/tasks`."
 
@@ -111,8 +126,13 @@ def diagnostics_section(run_dir: str | Path) -> str | None:
     if not path.exists():
         return None
     from .diagnostics.report import headline
+    from .errors import read_json, reading
 
-    h = headline(json.loads(path.read_text()))
+    with reading(path, "diagnostics report", "re-run `hf-depth diagnose` or delete the file"):
+        return _diagnostics_rows(headline(read_json(path, "diagnostics report")))
+
+
+def _diagnostics_rows(h: dict) -> str:
     rows = ["| measure | value |", "|---|---|"]
     for key, label in (("R_causal", "R_causal (late pairs with causal score > 0.45)"),
                        ("R_perm", "R_perm (late pairs with permutation score > 0.15)"), ("loss", "calibration loss")):
@@ -138,7 +158,9 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
     folder, run_dir = Path(folder), Path(run_dir)
     summary, meta, recipe, metrics = _read_run(run_dir)
     if (run_dir / EVAL_RESULTS).exists():
-        meta["eval_results"] = json.loads((run_dir / EVAL_RESULTS).read_text())
+        from .errors import read_json
+
+        meta["eval_results"] = read_json(run_dir / EVAL_RESULTS, "evaluation results")
     repo_id = repo_id or f"hf-depth/{summary.get('name', run_dir.name)}"
     design = summary.get("design") or meta.get("design", "unknown")
     entry = DESIGNS.get(design)
@@ -214,11 +236,16 @@ def export(run_dir: str | Path, out: str | Path | None = None, repo_id: str | No
 
     import hf_depth  # noqa: F401  (registers the designs with the Auto classes)
 
+    from .errors import reading, reading_model, replaceable_output
+
     run_dir = Path(run_dir)
     summary, meta, recipe, metrics = _read_run(run_dir)
     out = Path(out or run_dir / "export")
-    model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
-    tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
+    replaceable_output(out, "--out", protect=[run_dir])
+    with reading_model(run_dir / "final"):
+        model = AutoModelForCausalLM.from_pretrained(run_dir / "final")
+    with reading(run_dir / "final", "the run's tokenizer", "the final/ folder of a run holds its tokenizer files"):
+        tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         do_sample=True, temperature=0.8, top_p=0.95, max_new_tokens=128,
@@ -242,17 +269,20 @@ def push(folder: str | Path, repo_id: str, private: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hf-depth export``: exit 0 done, 2 bad input (one line naming the file, see ``hf_depth.errors``)."""
+    from .errors import run_command
+
+    return run_command("export", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-depth export", description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a finished run folder (holds final/, summary.json, metrics.jsonl)")
     ap.add_argument("--out", help="export folder (default RUN/export)")
     ap.add_argument("--push", metavar="REPO", help="push the folder to this Hub repo (user/name)")
     ap.add_argument("--private", action="store_true")
     a = ap.parse_args(argv)
-    try:
-        folder = export(a.run, a.out, repo_id=a.push)
-    except ValueError as e:
-        print(f"hf-depth export: {e}", file=sys.stderr)
-        return 2
+    folder = export(a.run, a.out, repo_id=a.push)
     print(f"exported {folder}")
     if a.push:
         print(f"pushed: {push(folder, a.push, a.private)}")

@@ -12,6 +12,7 @@ budget, and refuses when no width lands within the tolerance (DepthBench: +-2.14
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 
 from .models.configuration_depth import DepthConfig
@@ -76,11 +77,15 @@ def iso_width(
     Widths are multiples of ``2 * num_attention_heads``. Raises ValueError if the best one is off by more than
     ``tolerance`` (relative), naming the closest widths found.
     """
-    if target <= 0:
-        raise ValueError(f"`target` must be a positive parameter count, got {target!r}")
-    if not isinstance(num_hidden_layers, int) or num_hidden_layers <= 0:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not math.isfinite(target) or target <= 0:
+        raise ValueError(f"`target` must be a positive, finite parameter count, got {target!r}")
+    if not isinstance(num_hidden_layers, int) or isinstance(num_hidden_layers, bool) or num_hidden_layers <= 0:
         raise ValueError(f"`num_hidden_layers` must be a positive integer, got {num_hidden_layers!r}")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < math.inf:
+        raise ValueError(f"`tolerance` must be a finite number >= 0 (relative), got {tolerance!r}")
     heads = kwargs.get("num_attention_heads", DEPTHBENCH_BACKBONE["num_attention_heads"])
+    if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
+        raise ValueError(f"`num_attention_heads` must be a positive integer, got {heads!r}")
     step = 2 * heads
     best, d = None, step
     while True:
@@ -117,13 +122,15 @@ def format_table(shapes: list[Shape]) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Iso-parameter shape spectrum")
+    from .errors import arg_number
+
+    p = argparse.ArgumentParser(prog="hf-depth shapes", description="Iso-parameter shape spectrum")
     p.add_argument("--design", default="pre_ln", choices=sorted(DESIGNS))
-    p.add_argument("--target", type=float, default=406e6)
-    p.add_argument("--depths", type=int, nargs="+", default=list(DEPTHBENCH_DEPTHS))
-    p.add_argument("--tolerance", type=float, default=DEPTHBENCH_TOLERANCE)
-    p.add_argument("--vocab-size", type=int, default=50280)
-    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--target", type=arg_number(float, 0, strict=True), default=406e6)
+    p.add_argument("--depths", type=arg_number(int, 1), nargs="+", default=list(DEPTHBENCH_DEPTHS))
+    p.add_argument("--tolerance", type=arg_number(float, 0), default=DEPTHBENCH_TOLERANCE)
+    p.add_argument("--vocab-size", type=arg_number(int, 1), default=50280)
+    p.add_argument("--heads", type=arg_number(int, 1), default=16)
     a = p.parse_args(argv)
     shapes = [
         iso_width(a.design, a.target, L, a.tolerance, vocab_size=a.vocab_size, num_attention_heads=a.heads)

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 
+from ..errors import arg_number
 from ..loading import RemoteCodeRefused, add_trust_remote_code
 from .conventions import CONVENTIONS, DEFAULT
 from .data import DEFAULT_DATASET, load_calibration
@@ -32,10 +33,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="+", choices=MEASUREMENTS, default=list(MEASUREMENTS),
                    help="measurements to run (default: all)")
-    p.add_argument("--flops-seq-len", type=int, default=4096, help="T of the analytic prefill FLOPs (default 4096)")
+    p.add_argument("--flops-seq-len", type=arg_number(int, 1), default=4096, help="T of the analytic prefill FLOPs (default 4096)")
     p.add_argument("--no-measure-cost", action="store_true", help="analytic cost only (no timing runs)")
-    p.add_argument("--measure-seq-len", type=int, default=128, help="sequence length of the timing runs")
-    p.add_argument("--repeats", type=int, default=3, help="timed repetitions per cost measurement (median)")
+    p.add_argument("--measure-seq-len", type=arg_number(int, 1), default=128, help="sequence length of the timing runs")
+    p.add_argument("--repeats", type=arg_number(int, 1), default=3, help="timed repetitions per cost measurement (median)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--convention", choices=CONVENTIONS, default=DEFAULT,
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     model, tok = _load(args)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    batches = load_calibration(args.data, tok, args.seq_len, args.num_samples, args.batch_size, args.seed, pad)
+    batches = load_calibration(args.data, tok, args.seq_len, args.num_samples, args.batch_size, args.seed, pad,
+                               vocab_size=model.config.vocab_size)
     device = next(model.parameters()).device
     batches = [b.to(device) for b in batches]
     report = run_diagnostics(model, batches, args.only, args.flops_seq_len, not args.no_measure_cost,

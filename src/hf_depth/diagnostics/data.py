@@ -84,26 +84,38 @@ def _records(source: str, max_docs: int):
     elif suffix in (".txt", ".md", ""):
         if path.is_dir():
             raise UserError(f"`--data` {source!r} is a folder: give a .txt/.jsonl/.json/.pt/.npy file or hf:NAME")
-        yield {"text": path.read_text(encoding="utf-8", errors="replace")}
+        from ..errors import read_text
+
+        yield {"text": read_text(path, "`--data` text file")}
     else:
         raise ValueError(f"`--data` {source!r}: unsupported extension {suffix!r}; allowed .txt .md .jsonl .json .pt .npy")
 
 
 def load_calibration(source: str = DEFAULT_DATASET, tokenizer=None, seq_len: int = 512, num_samples: int = 128,
-                     batch_size: int = 8, seed: int = 0, pad_token_id: int = 0, max_docs: int = 20000) -> list[Batch]:
-    """Calibration batches (``Batch`` of ids and mask), ``num_samples`` sequences of at most ``seq_len`` tokens."""
+                     batch_size: int = 8, seed: int = 0, pad_token_id: int = 0, max_docs: int = 20000,
+                     vocab_size: int | None = None) -> list[Batch]:
+    """Calibration batches (``Batch`` of ids and mask), ``num_samples`` sequences of at most ``seq_len`` tokens;
+    with ``vocab_size``, every id must lie in ``[0, vocab_size)`` (a UserError naming the file otherwise)."""
     for name, v in (("seq_len", seq_len), ("num_samples", num_samples), ("batch_size", batch_size)):
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"`{name}` must be a positive integer, got {v!r}")
     rng = random.Random(seed)
     pretok, stream = [], []
     eos = getattr(tokenizer, "eos_token_id", None)
-    for rec in _records(source, max_docs):
+    for n, rec in enumerate(_records(source, max_docs)):
         if "input_ids" in rec:
-            pretok.append([int(x) for x in rec["input_ids"]][:seq_len])
+            ids = rec["input_ids"]
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                raise UserError(f"`--data` {source!r}: record {n + 1}: 'input_ids' must be a list of integer token "
+                                f"ids, got {str(ids)[:60]!r}")
+            pretok.append(list(ids)[:seq_len])
         elif "text" in rec:
             if tokenizer is None:
                 raise ValueError("text calibration data needs a tokenizer (`--tokenizer`, or one in the model folder)")
+            if not isinstance(rec["text"], str):
+                raise UserError(f"`--data` {source!r}: record {n + 1}: 'text' must be a string, got "
+                                f"{type(rec['text']).__name__}")
             stream.extend(tokenizer(rec["text"], add_special_tokens=False)["input_ids"])
             if eos is not None:
                 stream.append(eos)
@@ -114,6 +126,11 @@ def load_calibration(source: str = DEFAULT_DATASET, tokenizer=None, seq_len: int
     seqs = [s for s in pretok + windows if len(s) >= 2]
     if not seqs:
         raise ValueError(f"`--data` {source!r} gave no sequence of >= 2 tokens (seq_len={seq_len})")
+    if vocab_size is not None:
+        bad = next((x for s in seqs for x in s if not 0 <= x < vocab_size), None)
+        if bad is not None:
+            raise UserError(f"`--data` {source!r} holds token id {bad}, outside the model's vocabulary [0, "
+                            f"{vocab_size}): token ids from another tokenizer? give text, or ids of this model's")
     if len(seqs) > num_samples:
         seqs = rng.sample(seqs, num_samples)
     batches = []

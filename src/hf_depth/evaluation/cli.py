@@ -138,15 +138,18 @@ def sandbox_metadata() -> dict:
 
 
 def parse_args(argv):
+    from ..errors import arg_number
+
     ap = argparse.ArgumentParser(prog="hf-depth eval", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder, run folder (final/ or latest checkpoint) or Hub id")
     ap.add_argument("--tasks", default="hfd_all", help="comma-separated tasks/groups (default hfd_all)")
-    ap.add_argument("--limit", type=float, default=None, help="documents per task (testing only)")
+    ap.add_argument("--limit", type=arg_number(float, 0, strict=True), default=None,
+                    help="documents per task (testing only)")
     ap.add_argument("--confirm-run-unsafe-code", action="store_true",
                     help="allow executing model-generated code (HumanEval/MBPP) in hf_depth's sandbox")
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-length", type=int, default=None, help="context length (default: the model's)")
-    ap.add_argument("--max-gen-toks", type=int, default=None, help="override every task's max_gen_toks")
+    ap.add_argument("--batch-size", type=arg_number(int, 1), default=8)
+    ap.add_argument("--max-length", type=arg_number(int, 2), default=None, help="context length (default: the model's)")
+    ap.add_argument("--max-gen-toks", type=arg_number(int, 1), default=None, help="override every task's max_gen_toks")
     ap.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder or id (default: the model's)")
@@ -156,11 +159,28 @@ def parse_args(argv):
     ap.add_argument("--output", default=None, help="output folder (default eval_results/<model name>)")
     add_trust_remote_code(ap)
     args = ap.parse_args(argv)
-    if args.limit is not None and args.limit <= 0:
-        ap.error("`--limit` must be > 0")
     if not Path(args.include_path).is_dir():
         ap.error(f"`--include-path` {args.include_path!r} is not a folder of task YAMLs")
+    if args.data_dir is not None and not Path(args.data_dir).is_dir():
+        ap.error(f"`--data-dir` {args.data_dir!r} is not a folder (of benchmark .jsonl files)")
     return args
+
+
+def check_task_names(tasks: list[str], include_path: str) -> None:
+    """Every ``--tasks`` entry is a task, group or tag of ``include_path`` (UserError naming it otherwise)."""
+    import difflib
+
+    from lm_eval.tasks import TaskManager
+
+    from ..errors import UserError
+
+    known = set(TaskManager(include_path=include_path, include_defaults=False).all_tasks)
+    for t in tasks:
+        if t not in known and not (t.endswith(".yaml") and Path(t).is_file()):
+            close = difflib.get_close_matches(t, sorted(known), n=1, cutoff=0.6)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            raise UserError(f"`--tasks` entry {t!r} is not a task, group or tag of {include_path!r}{hint}; "
+                            "e.g. hfd_all, hfd_nll, hfd_gsm8k_gen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,16 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     from ..loading import check_remote_code, load_model, load_tokenizer
     from .lm import ContextFitHFLM
 
+    model_path = resolve_model(args.model)  # a missing model is named before the task data is looked for
+    check_task_names(args.tasks.split(","), args.include_path)
     data_dir = str(Path(args.data_dir).resolve()) if args.data_dir else None
     tasks, not_run = runnable_tasks(args.tasks.split(","), data_dir)
-    for why in dict.fromkeys(not_run.values()):
-        print(f"hf-depth eval: not run: {why}", file=sys.stderr)
-    if not tasks:
-        print("hf-depth eval: none of the requested tasks has its data", file=sys.stderr)
-        return 2
     if not not_run:
         tasks = args.tasks.split(",")   # the names as given (groups stay groups in lm-eval's results)
-    model_path = resolve_model(args.model)
     tok_path = args.tokenizer or resolve_tokenizer(model_path, args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -189,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(tok_path, trust_remote_code=args.trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # after the model and tokenizer loaded: a bad MODEL is one line, not one after these notes
+    for why in dict.fromkeys(not_run.values()):
+        print(f"hf-depth eval: not run: {why}", file=sys.stderr)
+    if not tasks:
+        print("hf-depth eval: none of the requested tasks has its data", file=sys.stderr)
+        return 2
     lm = ContextFitHFLM(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size, backend="causal",
                         max_length=args.max_length or getattr(model.config, "max_position_embeddings", None), device=device)
     metadata = {"tokenizer": tok_path,

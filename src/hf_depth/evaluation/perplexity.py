@@ -66,10 +66,15 @@ def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
                         raise UserError(f"`--data` {str(path)!r} line {i + 1} is not JSON ({e})") from None
                     if not isinstance(row, dict) or text_field not in row:
                         raise ValueError(f"`--text-field` {text_field!r} missing in line {i + 1} of {path}")
+                    if not isinstance(row[text_field], str):
+                        raise UserError(f"`--data` {str(path)!r} line {i + 1}: `--text-field` {text_field!r} must "
+                                        f"hold a string, got {type(row[text_field]).__name__}")
                     docs.append(row[text_field])
         return docs
     if path.suffix in (".txt", ".md", ""):
-        return [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+        from ..errors import read_text
+
+        return [p.strip() for p in read_text(path, "`--data` text file").split("\n\n") if p.strip()]
     raise ValueError(f"`--data` must be a .jsonl or .txt file, got {path.name!r}")
 
 
@@ -96,13 +101,15 @@ def token_blocks(tokenizer, documents: Iterable[str], seq_len: int, batch_size: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ..errors import arg_number
+
     ap = argparse.ArgumentParser(prog="hf-depth val-loss", description=__doc__.split("\n")[0])
     ap.add_argument("model", help="model folder, run folder (final/ or latest checkpoint) or Hub id")
     ap.add_argument("--data", required=True, help="held-out text: .jsonl (--text-field) or .txt")
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    ap.add_argument("--max-tokens", type=arg_number(int, 1), default=None, help="stop after this many tokens")
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--output", default=None, help="also write the result as JSON here")

@@ -37,8 +37,19 @@ UPPER_BOUNDS: dict[str, tuple[str, typing.Callable]] = {
 """Cross-field upper bounds ``{field: (description, bound(config))}``, checked for every design holding the field."""
 
 DEPTHBENCH_EOS = 50279
-"""The default ``eos_token_id`` (GPT-NeoX ``<|endoftext|>``): the one id exempt from the inside-the-vocabulary check,
-as tiny stand-ins of the DepthBench tokenizer (tests, ``olmo_core.TOKENIZER``) keep it with a small vocabulary."""
+"""The default ``eos_token_id`` (GPT-NeoX ``<|endoftext|>``, DepthBench's tokenizer)."""
+
+TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+"""Special-token ids: each ``None`` or inside ``[0, vocab_size)`` (``eos_token_id`` may be a list of such ids)."""
+
+
+class DefaultTokenId(int):
+    """A token-id *default* (not a value the caller gave): it is kept when the vocabulary holds it and becomes
+    ``None`` when it does not (a tiny vocabulary has no id 50279). An id given explicitly -- a keyword argument, a
+    ``config.json`` value -- is never adjusted: outside the vocabulary it is refused."""
+
+    def __repr__(self) -> str:
+        return int.__repr__(self)
 
 
 def ceil16(x: float) -> int:
@@ -218,13 +229,14 @@ class DepthConfig(PretrainedConfig):
     attention_dropout: float = 0.0
     hidden_act: str = "silu"
     use_cache: bool = True
-    pad_token_id: int | None = 1
+    pad_token_id: int | None = DefaultTokenId(1)
     bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = 50279
+    eos_token_id: int | list[int] | None = DefaultTokenId(DEPTHBENCH_EOS)
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
         self.warn_unknown_kwargs(kwargs)
+        self.resolve_default_token_ids()
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
             self.intermediate_size = default_intermediate_size(self.hidden_size)
         if self.num_key_value_heads is None:
@@ -234,6 +246,25 @@ class DepthConfig(PretrainedConfig):
                 self.head_dim = self.hidden_size // self.num_attention_heads
         super().__post_init__(**kwargs)
         self.validate_depth_config()
+
+    def resolve_default_token_ids(self) -> None:
+        """A defaulted special-token id (:class:`DefaultTokenId`) the vocabulary does not hold becomes ``None``;
+        one it holds becomes a plain ``int``. Explicit ids are left to :meth:`validate_token_range`."""
+        for name in TOKEN_ID_FIELDS:
+            v = getattr(self, name, None)
+            if type(v) is DefaultTokenId:
+                fits = isinstance(self.vocab_size, int) and not isinstance(self.vocab_size, bool) and v < self.vocab_size
+                setattr(self, name, int(v) if fits else None)
+
+    def validate_token_range(self) -> None:
+        """Every special-token id is ``None`` or inside the vocabulary (explicit ids are never silently dropped)."""
+        for name in TOKEN_ID_FIELDS:
+            v = getattr(self, name, None)
+            ids = v if isinstance(v, (list, tuple)) and name == "eos_token_id" else [v]
+            for i in ids:
+                if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size):
+                    raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={self.vocab_size}) "
+                                     f"(inside the vocabulary), got {v!r}")
 
     # ------------------------------------------------------------------ validation
     def validate_architecture(self):  # called by transformers' strict validation too
@@ -306,15 +337,7 @@ class DepthConfig(PretrainedConfig):
         if self.tie_word_embeddings:
             raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings (DepthBench)")
         parse_scale_vector(self.scale_vector)
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            v = getattr(self, name)
-            ids = v if isinstance(v, (list, tuple)) and name == "eos_token_id" else [v]
-            for i in ids:
-                if name == "eos_token_id" and i == DEPTHBENCH_EOS and not isinstance(i, bool):
-                    continue  # the DepthBench tokenizer's id, kept by tiny-vocabulary stand-ins (olmo_core.TOKENIZER)
-                if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size):
-                    raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={self.vocab_size}) "
-                                     f"(inside the vocabulary), got {v!r}")
+        self.validate_token_range()
         for name, (what, bound) in UPPER_BOUNDS.items():
             v = getattr(self, name, None)
             if name in depth_fields(type(self)) and isinstance(v, (int, float)) and v > bound(self):

@@ -121,7 +121,11 @@ def load_tokenizer(data: DataRecipe, run_dir: Path | None = None):
                 shutil.rmtree(tmp, ignore_errors=True)
         tok = AutoTokenizer.from_pretrained(cached)
     else:
-        tok = AutoTokenizer.from_pretrained(data.tokenizer)
+        from ..errors import reading
+
+        with reading(data.tokenizer, "tokenizer `data.tokenizer`",
+                     "give a local tokenizer folder, a cached Hub id, or 'embedded'"):
+            tok = AutoTokenizer.from_pretrained(data.tokenizer)
     if tok.eos_token_id is None:
         raise ValueError(f"`data.tokenizer` {data.tokenizer!r} has no EOS token; packing needs one between documents")
     if local is not None:

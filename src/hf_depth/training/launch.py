@@ -17,8 +17,6 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from .recipe import load_recipe
 
 
@@ -37,20 +35,24 @@ def plan_launch(recipe_path: str, accelerate_config: str, nodes: int | None = No
                 main_ip: str | None = None, port: int | None = None, global_batch: int | None = None,
                 overrides: list[str] | None = None) -> LaunchPlan:
     """Per-node commands for ``nodes`` x ``gpus_per_node`` processes (defaults: the accelerate config's)."""
+    from ..errors import read_yaml
+
     path = Path(accelerate_config)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"accelerate config {str(path)!r} does not exist (see recipes/accelerate/)")
-    cfg = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(cfg, dict):
-        raise ValueError(f"accelerate config {str(path)!r} is not a mapping")
+    cfg = read_yaml(path, "accelerate config", expect=dict, empty={})
+    for key in ("num_machines", "num_processes", "main_process_port"):
+        v = cfg.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"accelerate config {str(path)!r}: `{key}` must be a positive integer, got {v!r}")
+    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("port", port), ("global_batch", global_batch)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
     nodes = nodes or int(cfg.get("num_machines", 1))
     total = int(cfg.get("num_processes", 1))
     gpus_per_node = gpus_per_node or max(1, total // max(1, int(cfg.get("num_machines", 1))))
     main_ip = main_ip or cfg.get("main_process_ip")
     port = port or int(cfg.get("main_process_port", 29500))
-    for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("port", port)):
-        if value < 1:
-            raise ValueError(f"`{name}` must be positive, got {value}")
     if nodes > 1 and not main_ip:
         raise ValueError("a multi-node launch needs `--main-ip` (the address of the rank-0 node)")
     overrides = list(overrides or [])
@@ -85,22 +87,27 @@ def plan_launch(recipe_path: str, accelerate_config: str, nodes: int | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hf-depth launch-commands``: exit 0, or 2 on bad input (one line on stderr, see ``hf_depth.errors``)."""
+    from ..errors import run_command
+
+    return run_command("launch-commands", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from ..errors import arg_number
+
     ap = argparse.ArgumentParser(prog="hf-depth launch-commands", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--accelerate-config", default="recipes/accelerate/multinode.yaml")
-    ap.add_argument("--nodes", type=int)
-    ap.add_argument("--gpus-per-node", type=int)
+    ap.add_argument("--nodes", type=arg_number(int, 1))
+    ap.add_argument("--gpus-per-node", type=arg_number(int, 1))
     ap.add_argument("--main-ip")
-    ap.add_argument("--port", type=int)
-    ap.add_argument("--global-batch", type=int, help="sequences per optimizer step; sets train.grad_accum")
+    ap.add_argument("--port", type=arg_number(int, 1, maximum=65535))
+    ap.add_argument("--global-batch", type=arg_number(int, 1), help="sequences per optimizer step; sets train.grad_accum")
     a = ap.parse_intermixed_args(argv)
-    try:
-        plan = plan_launch(a.recipe, a.accelerate_config, a.nodes, a.gpus_per_node, a.main_ip, a.port,
-                           a.global_batch, a.overrides)
-    except ValueError as e:
-        print(f"hf-depth launch-commands: {e}", flush=True)
-        return 2
+    plan = plan_launch(a.recipe, a.accelerate_config, a.nodes, a.gpus_per_node, a.main_ip, a.port,
+                       a.global_batch, a.overrides)
     print(f"# {plan.nodes} node(s) x {plan.gpus_per_node} process(es); global batch {plan.global_batch} sequences "
           f"({plan.tokens_per_step:,} tokens) per step, train.grad_accum={plan.grad_accum}")
     for rank, (acc, tr) in enumerate(zip(plan.accelerate, plan.torchrun)):

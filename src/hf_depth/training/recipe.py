@@ -234,6 +234,15 @@ def _did_you_mean(key, names) -> str:
 
 
 def _check_values(recipe: Recipe) -> None:
+    if not recipe.name.strip():
+        raise ValueError("`name` must be a non-empty run name (it names the run folder), got ''")
+    try:
+        run_dir = str(recipe.resolved_run_dir)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"`run_dir` {recipe.run_dir!r} may only use the placeholder {{name}} ({type(e).__name__}: "
+                         f"{e})") from None
+    if not recipe.run_dir.strip() or run_dir in (".", ""):
+        raise ValueError(f"`run_dir` must name a run folder (default 'runs/{{name}}'), got {recipe.run_dir!r}")
     for section in ("model", "data", "optim", "train"):
         for f in dataclasses.fields(getattr(recipe, section)):
             key, value = f"{section}.{f.name}", getattr(getattr(recipe, section), f.name)
@@ -254,6 +263,15 @@ def _check_values(recipe: Recipe) -> None:
     d = recipe.data
     if d.source == "hf" and not d.path:
         raise ValueError("`data.path` is required when `data.source` is 'hf' (a dataset name, or json/parquet)")
+    for key, files in (("data.data_files", d.data_files), ("data.val_data_files", d.val_data_files)):
+        if files is not None and len(files) == 0:
+            raise ValueError(f"`{key}` is an empty list: list at least one file, or leave it null")
+    for key, value in (("data.split", d.split), ("data.text_field", d.text_field), ("data.tokenizer", d.tokenizer),
+                       ("model.design", recipe.model.design)):
+        if not value.strip():
+            raise ValueError(f"`{key}` must be a non-empty string, got {value!r}")
+    if d.seq_len < 2:
+        raise ValueError(f"`data.seq_len` must be >= 2 (a token and the next one to predict), got {d.seq_len}")
     if d.source == "memmap" and not d.data_files:
         raise ValueError("`data.data_files` is required when `data.source` is 'memmap' (.bin/.npy token files)")
     if d.tokenizer == "embedded" and d.tokenizer_vocab_size < 260:
@@ -347,9 +365,14 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        from ..errors import yaml_load
+
+        data = yaml_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"recipe file {str(path)!r} is not valid YAML ({_yaml_problem(e)}): fix the syntax") from None
+    if data is None:
+        raise ValueError(f"recipe file {str(path)!r} is empty: a recipe needs at least `model:` and `data:` sections "
+                         "(see recipes/train/)")
     if not isinstance(data, dict):
         raise ValueError(f"recipe file {str(path)!r} must hold a mapping (`model:`, `data:`, `optim:`, `train:` "
                          f"sections), got a {type(data).__name__} at the top level")

@@ -38,11 +38,40 @@ def training_flops(config, tokens: int, seq_len: int) -> int:
     return int(round(3 * per_token * tokens))
 
 
+SUMMARY_FIELDS = {"design": str, "num_hidden_layers": int, "hidden_size": int, "lr": float, "best_val_loss": float,
+                  "params": int, "tokens": int}
+"""What a finished run's ``summary.json`` must hold for the tables (``train.py`` writes it)."""
+EVERY_RUN = ("design", "num_hidden_layers", "hidden_size", "lr")
+"""The fields every summary (diverged runs too) must hold: runs are grouped by them."""
+
+
+def check_summary(path, s: dict) -> dict:
+    """A summary holds :data:`EVERY_RUN`, and a finished run's every field of :data:`SUMMARY_FIELDS`, each a finite
+    value of its type; otherwise a :class:`~hf_depth.errors.UserError` naming the file and the field."""
+    from ..errors import UserError
+
+    finished = s.get("status") == "finished" and s.get("best_val_loss") is not None
+    for key, tp in SUMMARY_FIELDS.items():
+        if not finished and key not in EVERY_RUN:
+            continue
+        v = s.get(key)
+        ok = isinstance(v, str) if tp is str else (
+            isinstance(v, (int, float) if tp is float else int) and not isinstance(v, bool) and math.isfinite(v))
+        if not ok:
+            raise UserError(f"{str(path)!r}: a run summary needs `{key}` ({tp.__name__}), got {v!r}; "
+                            "re-run or delete the run folder")
+    if s.get("train_flops") is not None and not (isinstance(s["train_flops"], (int, float)) and s["train_flops"] >= 0):
+        raise UserError(f"{str(path)!r}: `train_flops` must be a number >= 0, got {s['train_flops']!r}")
+    return s
+
+
 def collect(root: str | Path) -> list[dict]:
-    """Every ``summary.json`` under ``root`` (finished and diverged runs)."""
+    """Every ``summary.json`` under ``root`` (finished and diverged runs); a malformed one is an error naming it."""
+    from ..errors import read_json
+
     rows = []
     for p in sorted(Path(root).rglob("summary.json")):
-        s = json.loads(p.read_text())
+        s = check_summary(p, read_json(p, "run summary"))
         s["run_dir"] = str(p.parent)
         rows.append(s)
     return rows
@@ -154,12 +183,24 @@ def compute_efficiency(compute_fit_a: dict, compute_fit_b: dict, loss: float, pa
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hf-depth results``: exit 0 done, 2 bad input (one line naming the file, see ``hf_depth.errors``)."""
+    from ..errors import run_command
+
+    return run_command("results", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from ..errors import UserError, arg_number
+
     ap = argparse.ArgumentParser(prog="hf-depth results", description=__doc__.split("\n\n")[0])
     ap.add_argument("root", help="folder holding run folders (searched recursively for summary.json)")
     ap.add_argument("--out", help="output folder (default ROOT/results)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compute-efficiency of design B over A")
-    ap.add_argument("--loss", type=float, help="loss at which to compare (default: the best loss A reached)")
+    ap.add_argument("--loss", type=arg_number(float, 0, strict=True),
+                    help="loss at which to compare (default: the best loss A reached)")
     a = ap.parse_args(argv)
+    if not Path(a.root).is_dir():
+        raise UserError(f"{a.root!r} is not a folder: give the folder holding the run folders (their summary.json)")
     rows = collect(a.root)
     if not rows:
         print(f"hf-depth results: no summary.json under {a.root}", file=sys.stderr)

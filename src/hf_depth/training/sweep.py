@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-import yaml
 
 from ..models.residual import DEPTHBENCH_LRS as DEFAULT_LRS  # noqa: F401  (the grid every design starts from)
 
@@ -56,6 +55,45 @@ def parse_shape(text: str) -> tuple[int, int]:
     return depth, width
 
 
+SWEEP_KEYS = ("recipe", "designs", "shapes", "target", "depths", "lrs", "out", "overrides", "vocab_size",
+              "num_attention_heads", "num_key_value_heads")
+"""The fields of a sweep YAML."""
+
+
+def _list_of(name: str, value, ok, what: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not all(ok(v) for v in value):
+        raise ValueError(f"`{name}` must be a list of {what}, got {value!r}")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_sweep_spec(spec: dict) -> None:
+    """A sweep YAML's fields: known keys (with did-you-mean), each of the right type (raises ValueError naming it)."""
+    from .recipe import _did_you_mean
+
+    for key in spec:
+        if key not in SWEEP_KEYS:
+            raise ValueError(f"unknown sweep key `{key}`{_did_you_mean(key, SWEEP_KEYS)}; allowed: {list(SWEEP_KEYS)}")
+    if not isinstance(spec.get("recipe"), str) or not spec["recipe"]:
+        raise ValueError(f"`recipe` must be the path of a training recipe YAML, got {spec.get('recipe')!r}")
+    _list_of("designs", spec.get("designs"), lambda v: isinstance(v, str), "design names")
+    _list_of("shapes", spec.get("shapes"), lambda v: isinstance(v, str), "LxD strings (e.g. '24x1024')")
+    _list_of("lrs", spec.get("lrs"), lambda v: _number(v) and v > 0, "positive finite learning rates")
+    _list_of("depths", spec.get("depths"), lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+             "positive integers")
+    _list_of("overrides", spec.get("overrides"), lambda v: isinstance(v, str), "`section.key=value` strings")
+    if spec.get("out") is not None and not isinstance(spec["out"], str):
+        raise ValueError(f"`out` must be a folder path (a string), got {spec['out']!r}")
+    for key in ("vocab_size", "num_attention_heads", "num_key_value_heads"):
+        v = spec.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+            raise ValueError(f"`{key}` must be a positive integer, got {v!r}")
+
+
 def expand(designs, shapes=None, lrs=None, out="runs/sweep", target=None, depths=None, **shape_kwargs) -> list[SweepRun]:
     """Every (design, shape, lr) of the sweep, in a stable order."""
     from ..models.registry import DESIGNS
@@ -63,6 +101,18 @@ def expand(designs, shapes=None, lrs=None, out="runs/sweep", target=None, depths
 
     if not designs:
         raise ValueError("a sweep needs at least one design (`designs`)")
+    if isinstance(designs, str):
+        raise ValueError(f"`designs` must be a list of design names, got the string {designs!r}")
+    for lr in lrs or ():
+        if not _number(lr) or lr <= 0:
+            raise ValueError(f"`lrs` entry {lr!r} must be a positive, finite learning rate")
+    for L in depths or ():
+        if not isinstance(L, int) or isinstance(L, bool) or L <= 0:
+            raise ValueError(f"`depths` entry {L!r} must be a positive integer")
+    if target is not None and (not _number(target) or target <= 0):
+        raise ValueError(f"`target` must be a positive, finite parameter count, got {target!r}")
+    if target is not None and not depths:
+        raise ValueError("`target` needs `depths` (the depths whose iso-parameter widths are swept)")
     for d in designs:
         if d not in DESIGNS:
             raise ValueError(f"`designs` entry {d!r} is not a registered design; allowed: {sorted(DESIGNS)}")
@@ -78,6 +128,12 @@ def expand(designs, shapes=None, lrs=None, out="runs/sweep", target=None, depths
         for L, d in design_shapes:
             for lr in (lrs or default_lrs(design)):
                 runs.append(SweepRun(design, L, d, float(lr), str(Path(out) / f"{design}_L{L}_d{d}_lr{float(lr):g}")))
+    seen = set()
+    for r in runs:
+        if r.run_dir in seen:
+            raise ValueError(f"run {Path(r.run_dir).name} appears twice: `designs`, `shapes`/`depths` and `lrs` must "
+                             "not repeat an entry")
+        seen.add(r.run_dir)
     return runs
 
 
@@ -87,52 +143,63 @@ def launch_command(recipe: str, run: SweepRun, overrides: list[str], launcher: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hf-depth sweep``: exit 0 done, 2 bad input (one line naming the file or field, see ``hf_depth.errors``)."""
+    from ..errors import run_command
+
+    return run_command("sweep", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    from ..errors import UserError, arg_number, read_json, read_yaml
+
     ap = argparse.ArgumentParser(prog="hf-depth sweep", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="a training recipe YAML, or a sweep YAML (with a `recipe:` field)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     ap.add_argument("--designs", nargs="+")
     ap.add_argument("--shapes", nargs="+", help="LxD shapes, e.g. 24x1024 32x896")
-    ap.add_argument("--target", type=float, help="parameter budget for iso-parameter widths")
-    ap.add_argument("--depths", type=int, nargs="+")
-    ap.add_argument("--lrs", type=float, nargs="+")
+    ap.add_argument("--target", type=arg_number(float, 0, strict=True), help="parameter budget for iso-parameter widths")
+    ap.add_argument("--depths", type=arg_number(int, 1), nargs="+")
+    ap.add_argument("--lrs", type=arg_number(float, 0, strict=True), nargs="+")
     ap.add_argument("--out", help="sweep folder (default runs/sweep)")
     ap.add_argument("--print", dest="print_only", action="store_true", help="print launch commands, run nothing")
     ap.add_argument("--launcher", default="accelerate launch", help="prefix of the printed commands")
     a = ap.parse_intermixed_args(argv)  # overrides may come after options
     spec = {}
-    text = yaml.safe_load(Path(a.recipe).read_text()) if Path(a.recipe).is_file() else None
+    text = read_yaml(a.recipe, "sweep or recipe YAML", expect=None)
     if isinstance(text, dict) and "recipe" in text:
         spec = text
-        unknown = set(spec) - {"recipe", "designs", "shapes", "target", "depths", "lrs", "out", "overrides",
-                               "vocab_size", "num_attention_heads", "num_key_value_heads"}
-        if unknown:
-            print(f"hf-depth sweep: unknown sweep keys {sorted(unknown)}", file=sys.stderr)
-            return 2
+        try:
+            check_sweep_spec(spec)
+        except ValueError as e:
+            raise UserError(f"sweep file {a.recipe!r}: {e}") from None
     recipe = spec.get("recipe", a.recipe)
-    overrides = list(spec.get("overrides", [])) + a.overrides
+    overrides = list(spec.get("overrides") or []) + a.overrides
     shape_kwargs = {k: spec[k] for k in ("vocab_size", "num_attention_heads", "num_key_value_heads") if k in spec}
-    try:
-        runs = expand(a.designs or spec.get("designs"), a.shapes or spec.get("shapes"), a.lrs or spec.get("lrs"),
-                      a.out or spec.get("out", "runs/sweep"), a.target or spec.get("target"),
-                      a.depths or spec.get("depths"), **shape_kwargs)
-    except ValueError as e:
-        print(f"hf-depth sweep: {e}", file=sys.stderr)
-        return 2
+    runs = expand(a.designs or spec.get("designs"), a.shapes or spec.get("shapes"), a.lrs or spec.get("lrs"),
+                  a.out or spec.get("out", "runs/sweep"), a.target or spec.get("target"),
+                  a.depths or spec.get("depths"), **shape_kwargs)
+    from .recipe import load_recipe
+
+    recipes = []
+    for r in runs:  # every run validated before any runs
+        try:
+            recipes.append(load_recipe(recipe, overrides + r.overrides()))
+        except ValueError as e:
+            raise UserError(f"run {Path(r.run_dir).name} (design {r.design}, shape {r.num_hidden_layers}x"
+                            f"{r.hidden_size}, lr {r.lr:g}): {e}") from e
     if a.print_only:
         for r in runs:
             print(launch_command(recipe, r, overrides, a.launcher))
         return 0
-    from .recipe import load_recipe
     from .train import run
 
     status = {}
-    for i, r in enumerate(runs):
+    for i, (r, rec) in enumerate(zip(runs, recipes)):
         summary_path = Path(r.run_dir) / "summary.json"
-        if summary_path.exists() and json.loads(summary_path.read_text()).get("status") in ("finished", "diverged"):
+        if summary_path.exists() and read_json(summary_path, "run summary").get("status") in ("finished", "diverged"):
             print(f"[sweep {i + 1}/{len(runs)}] {r.run_dir}: done, skipped")
             continue
         print(f"[sweep {i + 1}/{len(runs)}] {r.run_dir}")
-        rec = load_recipe(recipe, overrides + r.overrides())
         resume = (Path(r.run_dir) / "checkpoints").exists()
         status[r.run_dir] = run(rec, resume=resume)["status"]
     print(json.dumps(status, indent=1))

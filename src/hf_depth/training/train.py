@@ -291,7 +291,11 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
     if not main_proc:
         tokenizer = load_tokenizer(recipe.data, run_dir)
     config = model_config(recipe, vocab_size=len(tokenizer))
+    if config.vocab_size < len(tokenizer):
+        raise UserError(f"bad recipe: `model.vocab_size` ({config.vocab_size}) is smaller than the tokenizer's "
+                        f"vocabulary ({len(tokenizer)} ids): raise it or leave it null (the tokenizer's size)")
     config.eos_token_id, config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config.validate_token_range()
     set_seed(t.seed)
     import hf_depth
 
@@ -525,6 +529,8 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume-ignore-rng", action="store_true",
                     help="resume even if the checkpoint's RNG state cannot be restored (not reproducible)")
     a = ap.parse_intermixed_args(argv)  # overrides may come after options
+    if a.resume_ignore_rng and not a.resume:
+        ap.error("--resume-ignore-rng only applies with --resume")
     try:
         recipe = load_recipe(a.recipe, a.overrides)
     except ValueError as e:
