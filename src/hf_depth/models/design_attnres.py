@@ -38,7 +38,7 @@ from .depth_ops import SourceBank, depth_aggregate
 from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
-from .residual import Design, ResidualStream, SublayerConnection, register
+from .residual import STREAM_BYTES, Design, ResidualStream, SublayerConnection, register
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
 
@@ -210,7 +210,7 @@ class AttnResStream(ResidualStream):
         self.aggregate = DepthAggregation(config)
         self.block_size, self.total = config.attnres_block_sublayers, config.num_sublayers
         # most sources any aggregation reads (the final one reads them all)
-        self.capacity = max(sum(source_layout(config, s)) for s in range(self.total + 1))
+        self.capacity = bank_capacity(config)
 
     def init(self, embeds):
         # the sources of this forward are kept once, in a bank hung on the embedding (see depth_ops.SourceBank)
@@ -266,6 +266,17 @@ def attnres_extra_flops(config, T: int, model=None) -> dict:
     return {"matmul": 0, "other": sum(4 * T * k * d for k in sources)}
 
 
+def bank_capacity(config) -> int:
+    """Slots of the forward's source bank: the most sources any aggregation reads (the final one reads them all)."""
+    return max(sum(source_layout(config, s)) for s in range(config.num_sublayers + 1))
+
+
+def attnres_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """The source bank, kept once per forward (``depth_ops.SourceBank``): ``capacity`` slots of d (stream dtype)
+    and their 1/rms (fp32) per token; each aggregation's output replaces the residual add Pre-LN's norm saves."""
+    return bank_capacity(config) * batch * seq_len * (config.hidden_size * STREAM_BYTES + 4)
+
+
 class AttnResModel(DepthModel):
     """Full AttnRes decoder (no LM head)."""
 
@@ -305,6 +316,7 @@ DESIGN = register(Design(
     stream=AttnResStream,
     extra_params=attnres_extra_params,
     extra_flops=attnres_extra_flops,
+    extra_activation_bytes=attnres_extra_activation_bytes,
     summary="x_l = N_l(sum_i softmax_i(<w_l, g_l N̄(v_i)>) v_i) over the embedding and every sublayer output",
     paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
 ))
@@ -319,6 +331,7 @@ BLOCK_DESIGN = register(Design(
     stream=AttnResStream,
     extra_params=attnres_extra_params,
     extra_flops=attnres_extra_flops,
+    extra_activation_bytes=attnres_extra_activation_bytes,
     summary="AttnRes over [embedding, completed block sums, partial sum]; blocks of S sublayers",
     paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
 ))

@@ -12,7 +12,7 @@ LayerNorm has no bias; ``convert-olmo-core`` sets it for its checkpoints). Depth
 from .configuration_depth import DepthConfig, _choice
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, SublayerConnection, register
+from .residual import Design, SublayerConnection, register, rms_norm_saved_bytes
 
 _BETA_SCALED = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -101,6 +101,15 @@ class DeepNormForCausalLM(DepthForCausalLM):
     base_model_class = DeepNormModel
 
 
+def deepnorm_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """A LayerNorm saves its fp32 input, mean and 1/std (``(d + 2) 4`` bytes per token) where an RMSNorm saves
+    ``rms_norm_saved_bytes``: the 2L post-add norms of ``deepnorm_norm`` kind and the final one of
+    ``final_norm_kind`` (as many norms as Pre-LN's 2L input norms + final norm)."""
+    d = config.hidden_size
+    layer_norms = config.num_sublayers * (config.norm_kind == "layer") + (config.final_norm_kind == "layer")
+    return layer_norms * ((d + 2) * 4 - rms_norm_saved_bytes(d)) * batch * seq_len
+
+
 DESIGN = register(Design(
     "deepnorm",
     DeepNormConfig,
@@ -118,6 +127,7 @@ DESIGN = register(Design(
         + norm_param_count(config, kind=config.final_norm_kind, final=True)
         - norm_param_count(config, kind="rms", final=True)
     ),
+    extra_activation_bytes=deepnorm_extra_activation_bytes,
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",
 ))

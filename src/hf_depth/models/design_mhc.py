@@ -38,6 +38,7 @@ from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
 from .design_hc import (
+    stream_extra_activation_bytes,
     FINAL_REDUCES,
     MultiStream,
     MultiStreamConnection,
@@ -220,6 +221,7 @@ DESIGN = register(Design(
     init_scale=output_init_scale,
     extra_params=mhc_extra_params,
     extra_flops=mhc_extra_flops,
+    extra_activation_bytes=stream_extra_activation_bytes,
     summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
     "H_post = 2 sigmoid",
     paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880)",

@@ -9,7 +9,7 @@ Extra parameters: +2d per block (the output norms, gamma_out = 1 at init; Output
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, SublayerConnection, register
+from .residual import Design, SublayerConnection, register, rms_norm_saved_bytes
 
 
 class SandwichLNConfig(DepthConfig):
@@ -49,6 +49,9 @@ DESIGN = register(Design(
     param_roles={},
     connection=SandwichConnection,
     extra_params=lambda config: config.num_sublayers * norm_param_count(config, role="output"),
+    # the output norm of every sublayer saves what an RMSNorm of the branch output (compute dtype) saves
+    extra_activation_bytes=lambda config, batch, seq_len, c: (
+        config.num_sublayers * rms_norm_saved_bytes(config.hidden_size, c) * batch * seq_len),
     summary="h <- h + N_out(F(N_in(h)))",
     paper="Ding et al. 2021, CogView (arXiv 2105.13290); Kim et al. 2025, Peri-LN (arXiv 2502.02732)",
 ))

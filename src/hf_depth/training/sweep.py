@@ -119,8 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-depth sweep: {e}", file=sys.stderr)
         return 2
     if a.print_only:
+        from ..diagnostics.cost import fit_line
+        from .recipe import load_recipe, recipe_fit
+
         for r in runs:
             print(launch_command(recipe, r, overrides, a.launcher))
+            try:
+                fit = recipe_fit(load_recipe(recipe, overrides + r.overrides()))
+            except ValueError as e:
+                print(f"hf-depth sweep: {e}", file=sys.stderr)
+                return 2
+            # the fit check goes to stderr: stdout stays one launch command per line, for a scheduler
+            print(f"#   fit check: {fit_line(Path(r.run_dir).name, fit)}", file=sys.stderr)
         return 0
     from .recipe import load_recipe
     from .train import run
