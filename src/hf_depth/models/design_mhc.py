@@ -38,7 +38,6 @@ from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
 from .design_hc import (
-    stream_extra_activation_bytes,
     FINAL_REDUCES,
     MultiStream,
     MultiStreamConnection,
@@ -46,6 +45,7 @@ from .design_hc import (
     _flag,
     multi_stream_flops,
     output_init_scale,
+    stream_extra_activation_bytes,
 )
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
 from .modeling_depth import DepthForCausalLM, DepthModel
