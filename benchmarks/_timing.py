@@ -35,3 +35,22 @@ def add_shape_args(parser, hidden=256, layers=4, heads=8, vocab=8192, seq=256, b
     parser.add_argument("--seq", type=int, default=seq)
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--repeats", type=int, default=repeats)
+
+
+def interleaved_median(fns: dict, device, rounds: int, warmup: int = 1) -> dict:
+    """Median wall time of each fn over ``rounds`` rounds, one call of every fn per round (interleaved, so that
+    they share the machine's state), after ``warmup`` calls of each."""
+    import statistics
+
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}

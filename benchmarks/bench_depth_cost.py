@@ -13,6 +13,7 @@ CPU timings share the machine: run with ``OMP_NUM_THREADS=1``; rounds are interl
 
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py
     python benchmarks/bench_depth_cost.py --designs pre_ln attnres --layers 8 64 --time-layers 32
+    OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py --generate --gen-hidden 64 --gen-layers 32
 """
 
 from __future__ import annotations
@@ -108,10 +109,16 @@ def main(argv=None):
     p.add_argument("--gen-layers", nargs="*", type=int, default=[32])
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--skip-memory", action="store_true")
+    p.add_argument("--generate", action="store_true",
+                   help="only the greedy-generation table (no memory, no forward+backward)")
+    p.add_argument("--gen-hidden", type=int, default=None, help="width of the generation models (default --hidden)")
     a = p.parse_args(argv)
     designs = ["pre_ln"] + [d for d in a.designs if d != "pre_ln"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device={device} threads={torch.get_num_threads()} designs={len(designs)}\n")
+    if a.generate:
+        print(generation_table(designs, a, device))
+        return
 
     if not a.skip_memory:
         cells, cols = {}, [f"L={L}" for L in a.layers]
@@ -144,18 +151,25 @@ def main(argv=None):
     print(table(f"forward+backward time / Pre-LN (d={a.hidden}, T={a.seq}, B={a.batch}; median of {a.rounds} "
                 "interleaved rounds)", designs, cols, cells))
 
+    print(generation_table(designs, a, device))
+
+
+def generation_table(designs, a, device) -> str:
+    """Greedy generation time / Pre-LN per design (KV cache; ``--gen-hidden`` width, L in ``--gen-layers``,
+    ``--new-tokens`` after a ``--seq // 2`` prompt; designs interleaved, median of ``--rounds`` rounds)."""
+    d = a.gen_hidden or a.hidden
+    prompt = torch.randint(2, a.vocab, (a.batch, max(1, a.seq // 2)), device=device)
     cells, cols = {}, []
-    prompt = x[:, : max(1, a.seq // 2)]
     for L in a.gen_layers:
-        models = {n: build(n, a.hidden, L, a.heads, a.vocab, device).eval() for n in designs}
+        models = {n: build(n, d, L, a.heads, a.vocab, device).eval() for n in designs}
         t = interleaved({n: generate(m, prompt, a.new_tokens) for n, m in models.items()}, device, a.rounds)
         cols.append(f"L={L}")
         for n in designs:
             cells[(n, f"L={L}")] = f"{t[n] / t['pre_ln']:.2f}"
         cells[("pre_ln", f"L={L}")] = f"1.00 ({t['pre_ln'] * 1e3:.0f} ms)"
         del models
-    print(table(f"greedy generation time / Pre-LN (d={a.hidden}, B={a.batch}, prompt {prompt.shape[1]}, "
-                f"{a.new_tokens} new tokens; median of {a.rounds} interleaved rounds)", designs, cols, cells))
+    return table(f"greedy generation time / Pre-LN (d={d}, B={a.batch}, prompt {prompt.shape[1]}, "
+                 f"{a.new_tokens} new tokens; median of {a.rounds} interleaved rounds)", designs, cols, cells)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,40 @@
 """Our Pre-LN vs transformers.LlamaForCausalLM of the same shape and weights, measured in one run.
 
-Times forward+backward and greedy generation (with KV cache) for both, interleaved, and prints the ratio
-ours / Llama (target <= 1.05). Works on CPU and GPU.
+Times forward+backward and greedy generation (with KV cache) for both, interleaved in one process (one call of
+each per round, ``--rounds`` rounds after a warm-up, median), and prints the ratio ours / Llama (targets:
+<= 1.05 for forward+backward, <= 1.00 for generation). On CPU it runs on one thread (``OMP_NUM_THREADS=1``,
+``torch.set_num_threads(1)``) unless ``--threads`` says otherwise, so that the two models share one core the
+same way. Works on CPU and GPU.
 
-    python benchmarks/bench_model.py --hidden 256 --layers 4 --seq 256 --batch 4
+    python benchmarks/bench_model.py --hidden 256 --layers 4 --seq 256 --batch 4 --new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
-import torch
-from _timing import add_shape_args, best_time
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
 
-import hf_depth
-from hf_depth.convert import pre_ln_to_llama
+import torch  # noqa: E402
+from _timing import add_shape_args, interleaved_median  # noqa: E402
+
+import hf_depth  # noqa: E402
+from hf_depth.convert import pre_ln_to_llama  # noqa: E402
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(p, repeats=7)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=7, help="interleaved rounds (median; at least 5)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     a = p.parse_args(argv)
+    if a.rounds < 5:
+        p.error("--rounds must be at least 5 (the ratio is a median of interleaved rounds)")
+    torch.set_num_threads(a.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, a.dtype)
     torch.manual_seed(0)
@@ -51,17 +62,13 @@ def main(argv=None):
                            pad_token_id=0)
         return run
 
-    print(f"device={device} dtype={a.dtype} attn={a.attn} d={a.hidden} L={a.layers} B={a.batch} T={a.seq}")
+    print(f"device={device} threads={torch.get_num_threads()} dtype={a.dtype} attn={a.attn} d={a.hidden} "
+          f"L={a.layers} B={a.batch} T={a.seq} new_tokens={a.new_tokens} rounds={a.rounds} (interleaved, median)")
     print("| op | hf_depth pre_ln (ms) | LlamaForCausalLM (ms) | ratio |")
     print("|---|---:|---:|---:|")
     for name, make in (("forward+backward", fwd_bwd), ("greedy generate", gen)):
-        # interleave the two to share thermal / cache state
-        ta, tb = [], []
-        for _ in range(3):
-            ta.append(best_time(make(ours), device, a.repeats, warmup=2))
-            tb.append(best_time(make(llama), device, a.repeats, warmup=2))
-        ma, mb = min(ta), min(tb)
-        print(f"| {name} | {ma * 1e3:.2f} | {mb * 1e3:.2f} | {ma / mb:.3f} |")
+        t = interleaved_median({"ours": make(ours), "llama": make(llama)}, device, a.rounds, warmup=2)
+        print(f"| {name} | {t['ours'] * 1e3:.2f} | {t['llama'] * 1e3:.2f} | {t['ours'] / t['llama']:.3f} |")
 
 
 if __name__ == "__main__":

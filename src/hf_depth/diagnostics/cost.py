@@ -30,7 +30,7 @@ import time
 import torch
 from torch import nn
 
-from ..models.residual import DESIGNS
+from ..models.residual import DESIGNS, STREAM_BYTES, rms_norm_saved_bytes
 from ..models.residual import extra_linear_flops as _extra_linear_flops
 
 
@@ -106,9 +106,15 @@ def parameter_bytes(model: nn.Module) -> dict:
     return {"params": n, "bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
-def activation_bytes(model: nn.Module, batch: int = 1, seq_len: int = 128) -> int:
-    """Measured bytes of the tensors autograd saves for backward in one forward (distinct storages)."""
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=next(model.parameters()).device)
+def activation_bytes(model: nn.Module, batch: int = 1, seq_len: int = 128, autocast: torch.dtype | None = None,
+                     labels: bool = False) -> int:
+    """Measured bytes of the tensors autograd saves for backward in one forward (distinct storages).
+
+    ``autocast``: run the forward under ``torch.autocast(<device>, autocast)`` (the trainer's bf16 mixed
+    precision, fp32 parameters; the bf16 weight copies autocast keeps for backward are counted);
+    ``labels``: also compute the loss (its saved log-softmax)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), device=device)
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -119,8 +125,9 @@ def activation_bytes(model: nn.Module, batch: int = 1, seq_len: int = 128) -> in
 
     was = model.training
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        model(input_ids=ids, use_cache=False)
+    amp = torch.autocast(device.type, dtype=autocast, enabled=autocast is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad(), amp:
+        model(input_ids=ids, labels=ids if labels else None, use_cache=False)
     model.train(was)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(v for k, v in seen.items() if k not in params)
@@ -203,3 +210,102 @@ def system_cost(model: nn.Module, seq_len: int = 4096, measure: bool = True, mea
 
 def tflops(x: float) -> float:
     return x / 1e12 if math.isfinite(x) else x
+
+
+# ---------------------------------------------------------------------------------------------- analytic memory
+PRECISIONS = {"bf16": 2, "fp32": 4}
+
+
+def linear_input_bytes(d: int, consumers: int, compute_bytes: int) -> int:
+    """Per token, the saved input of ``consumers`` linear maps reading one ``d``-vector: one shared tensor in fp32;
+    one cast copy per consumer under autocast (the cast of an activation is not cached)."""
+    return d * STREAM_BYTES if compute_bytes == STREAM_BYTES else consumers * d * compute_bytes
+
+
+def analytic_activation_bytes(config, batch: int = 1, seq_len: int = 2048, precision: str = "bf16",
+                              labels: bool = True) -> dict:
+    """Analytic bytes autograd saves in one training forward of ``batch`` sequences of ``seq_len`` tokens.
+
+    ``precision``: ``"bf16"`` (the trainer's mixed precision on GPU: fp32 parameters, bf16 autocast) or
+    ``"fp32"``. The backbone is Pre-LN with the reference ops (``functional.py``, SDPA attention), per token:
+
+    * every input norm: ``rms_norm_saved_bytes`` + its linear inputs (``linear_input_bytes``: q/k/v, gate/up);
+    * attention: q, k, v as SDPA saves them, its output and log-sum-exp (fp32);
+    * FFN: gate, up, silu(gate) and the SwiGLU product (compute dtype);
+    * final norm + LM-head input; with ``labels`` the loss's fp32 log-softmax ``B T V`` and the shifted labels;
+    * once: the input ids, RoPE's cos/sin (fp32) and, under autocast, the bf16 copy of every projection weight;
+
+    plus the design's own term (``Design.extra_activation_bytes(config, batch, seq_len, compute_bytes)``, declared
+    in its ``design_<name>.py``; negative where it saves less). Transient workspace (the backward's gradients of
+    activations, the attention kernel's scratch) is not included. Tested against ``activation_bytes`` for every
+    registered design (tests/test_fit_check.py)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {list(PRECISIONS)}, got {precision!r}")
+    c, g = PRECISIONS[precision], _dims(config)
+    d, f, q, kv, H, hd, V, L = (g[k] for k in ("d", "f", "q", "kv", "H", "hd", "V", "L"))
+    N = batch * seq_len
+    attn = rms_norm_saved_bytes(d) + linear_input_bytes(d, 3, c) + (q + 2 * kv) * c + q * c + H * 4
+    ffn = rms_norm_saved_bytes(d) + linear_input_bytes(d, 2, c) + 4 * f * c
+    final = rms_norm_saved_bytes(d) + linear_input_bytes(d, 1, c)
+    per_token = L * (attn + ffn) + final
+    fixed = 8 * N + 2 * seq_len * hd * STREAM_BYTES
+    if c != STREAM_BYTES:  # autocast keeps one bf16 copy of every weight it casts
+        fixed += c * (L * (d * q + 2 * d * kv + q * d + 3 * d * f) + d * V)
+    loss = (V * 4 + 8) * N if labels else 0
+    design = _design(config)
+    extra_fn = design.extra_activation_bytes if design is not None else None
+    extra = int(extra_fn(config, batch, seq_len, c)) if extra_fn is not None else 0
+    total = per_token * N + fixed + loss + extra
+    return {"backbone": per_token * N + fixed, "loss": loss, "design": extra, "total": total}
+
+
+#: DDP: fp32 parameters, fp32 gradients and AdamW's two fp32 moments (the trainer keeps no separate master copy)
+TRAINING_STATE_BYTES_PER_PARAM = 16
+#: the default device memory of the fit check (an H200), overridden by ``HF_DEPTH_DEVICE_MEMORY_GB``
+DEFAULT_DEVICE_GB = 141.0
+
+
+def device_memory_bytes(gb: float | None = None) -> int:
+    """``gb`` GB (10^9 bytes), else ``$HF_DEPTH_DEVICE_MEMORY_GB``, else 141 (H200)."""
+    import os
+
+    if gb is None:
+        raw = os.environ.get("HF_DEPTH_DEVICE_MEMORY_GB", "").strip()
+        try:
+            gb = float(raw) if raw else DEFAULT_DEVICE_GB
+        except ValueError:
+            raise ValueError(f"`HF_DEPTH_DEVICE_MEMORY_GB` must be a number of GB, got {raw!r}") from None
+    if not math.isfinite(gb) or gb <= 0:
+        raise ValueError(f"device memory must be a positive number of GB, got {gb!r}")
+    return int(gb * 1e9)
+
+
+def fit_check(config, micro_batch: int, seq_len: int, parallel: str = "ddp", world_size: int = 1,
+              precision: str = "bf16", device_gb: float | None = None) -> dict:
+    """Analytic memory of one training device: saved activations of one micro-batch
+    (``analytic_activation_bytes``) + parameters, gradients and AdamW moments (16 bytes per parameter,
+    divided by ``world_size`` under ``fsdp2``), against the device memory (``device_memory_bytes``)."""
+    from ..shapes import count_params
+
+    if parallel not in ("ddp", "fsdp2"):
+        raise ValueError(f"`parallel` must be 'ddp' or 'fsdp2', got {parallel!r}")
+    if world_size < 1:
+        raise ValueError(f"`world_size` must be >= 1, got {world_size!r}")
+    act = analytic_activation_bytes(config, micro_batch, seq_len, precision)["total"]
+    params = count_params(config)
+    states = TRAINING_STATE_BYTES_PER_PARAM * params // (world_size if parallel == "fsdp2" else 1)
+    device = device_memory_bytes(device_gb)
+    total = act + states
+    return {"micro_batch": micro_batch, "seq_len": seq_len, "params": params, "activation_bytes": act,
+            "state_bytes": states, "total_bytes": total, "device_bytes": device, "fits": total <= device}
+
+
+def fit_line(name: str, fit: dict) -> str:
+    """One human line of a ``fit_check`` result (with a WARNING when it does not fit)."""
+    gb = 1e9
+    text = (f"{name}: micro-batch {fit['micro_batch']} x {fit['seq_len']}: activations {fit['activation_bytes'] / gb:.1f} GB"
+            f" + params/grads/AdamW {fit['state_bytes'] / gb:.1f} GB = {fit['total_bytes'] / gb:.1f} GB"
+            f" of {fit['device_bytes'] / gb:.0f} GB")
+    if not fit["fits"]:
+        text += " -- WARNING: does not fit one device (lower train.micro_batch_size, raise train.grad_accum)"
+    return text

@@ -26,12 +26,9 @@ import weakref
 import torch
 
 from . import dispatch
+from .functional import _acc_dtype
 
 _BANK_ATTR = "_hf_depth_bank"
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
 
 
 class SourceBank:
@@ -262,6 +259,12 @@ def _moda_probs(q, kr, mask, scaling, dk, depth_mask, low):
     return torch.softmax(torch.cat((scores, depth_scores), dim=-1), dim=-1), tk, mask
 
 
+def _repeat(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    """``x.repeat_interleave(n_rep, dim)`` (GQA heads), without the copy when ``n_rep == 1``: a decoding step
+    must not copy the whole sequence KV cache."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
+
+
 def _group_sum(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
     """Inverse of ``repeat_interleave(n_rep, dim)`` for gradients: sum each group of ``n_rep`` heads."""
     if n_rep == 1:
@@ -277,12 +280,12 @@ class _MoDAAttention(torch.autograd.Function):
         n_rep = query.shape[1] // key.shape[1]
         low = torch.finfo(acc).min
         q = query.to(acc)
-        kr = key.repeat_interleave(n_rep, dim=1).to(acc)
-        dkr = None if dk is None else dk.repeat_interleave(n_rep, dim=2).to(acc)
+        kr = _repeat(key, n_rep, 1).to(acc)
+        dkr = None if dk is None else _repeat(dk, n_rep, 2).to(acc)
         p, tk, _ = _moda_probs(q, kr, mask, scaling, dkr, depth_mask, low)
-        out = p[..., :tk] @ value.repeat_interleave(n_rep, dim=1).to(acc)
+        out = p[..., :tk] @ _repeat(value, n_rep, 1).to(acc)
         if dk is not None:
-            out = out + (p[..., tk:].movedim(-1, 0).unsqueeze(-1) * dv.repeat_interleave(n_rep, dim=2).to(acc)).sum(0)
+            out = out + (p[..., tk:].movedim(-1, 0).unsqueeze(-1) * _repeat(dv, n_rep, 2).to(acc)).sum(0)
         ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv)
         ctx.scaling, ctx.n_depth = scaling, len(depth)
         return out.transpose(1, 2).to(query.dtype)
@@ -293,10 +296,10 @@ class _MoDAAttention(torch.autograd.Function):
         acc = _acc_dtype(query.dtype)
         n_rep = query.shape[1] // key.shape[1]
         q = query.to(acc)
-        kr = key.repeat_interleave(n_rep, dim=1).to(acc)
-        vr = value.repeat_interleave(n_rep, dim=1).to(acc)
-        dkr = None if dk is None else dk.repeat_interleave(n_rep, dim=2).to(acc)
-        dvr = None if dv is None else dv.repeat_interleave(n_rep, dim=2).to(acc)
+        kr = _repeat(key, n_rep, 1).to(acc)
+        vr = _repeat(value, n_rep, 1).to(acc)
+        dkr = None if dk is None else _repeat(dk, n_rep, 2).to(acc)
+        dvr = None if dv is None else _repeat(dv, n_rep, 2).to(acc)
         p, tk, keep = _moda_probs(q, kr, mask, ctx.scaling, dkr, depth_mask, torch.finfo(acc).min)
         do = dout.transpose(1, 2).to(acc)  # [B, H, T, hd]
         dp = do @ vr.transpose(-1, -2)

@@ -39,7 +39,7 @@ from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
 from .olmo_rules import OlmoRules, norm, one, pre_norms
-from .residual import Design, ResidualStream, SublayerConnection, register
+from .residual import STREAM_BYTES, Design, ResidualStream, SublayerConnection, register
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
 
@@ -211,7 +211,7 @@ class AttnResStream(ResidualStream):
         self.aggregate = DepthAggregation(config)
         self.block_size, self.total = config.attnres_block_sublayers, config.num_sublayers
         # most sources any aggregation reads (the final one reads them all)
-        self.capacity = max(sum(source_layout(config, s)) for s in range(self.total + 1))
+        self.capacity = bank_capacity(config)
 
     def init(self, embeds):
         # the sources of this forward are kept once, in a bank hung on the embedding (see depth_ops.SourceBank)
@@ -265,6 +265,17 @@ def attnres_extra_flops(config, T: int, model=None) -> dict:
     size, d = config.attnres_block_sublayers, config.hidden_size
     sources = [1 + len(source_groups(s, size)) for s in range(config.num_sublayers + 1)]
     return {"matmul": 0, "other": sum(4 * T * k * d for k in sources)}
+
+
+def bank_capacity(config) -> int:
+    """Slots of the forward's source bank: the most sources any aggregation reads (the final one reads them all)."""
+    return max(sum(source_layout(config, s)) for s in range(config.num_sublayers + 1))
+
+
+def attnres_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """The source bank, kept once per forward (``depth_ops.SourceBank``): ``capacity`` slots of d (stream dtype)
+    and their 1/rms (fp32) per token; each aggregation's output replaces the residual add Pre-LN's norm saves."""
+    return bank_capacity(config) * batch * seq_len * (config.hidden_size * STREAM_BYTES + 4)
 
 
 class AttnResModel(DepthModel):
@@ -330,6 +341,7 @@ BLOCK_OLMO = OlmoRules("attnres", selects=lambda fields: not _olmo_full(fields),
 #: what Full and Block AttnRes share (one connection, stream, counts; the block size is the config's)
 _SHARED = dict(param_roles=ATTNRES_PARAM_ROLES, connection=AttnResConnection, stream=AttnResStream,
                extra_params=attnres_extra_params, extra_flops=attnres_extra_flops,
+               extra_activation_bytes=attnres_extra_activation_bytes,
                paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)")
 
 DESIGN = register(Design(

@@ -13,7 +13,7 @@ from .configuration_depth import DepthConfig, _choice, field_alias
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
 from .olmo_rules import OlmoRules, norms_layer
-from .residual import Design, SublayerConnection, register
+from .residual import Design, SublayerConnection, register, rms_norm_saved_bytes
 
 _BETA_SCALED = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -105,6 +105,14 @@ OLMO = OlmoRules("deepnorm", layer=norms_layer({"attention_norm": "attn_connecti
                                                layer_norm=lambda config: config.norm_kind == "layer" and config.norm_bias),
                  forward_fields=("deepnorm_final_norm",),
                  defaults=lambda sd, backend: {"deepnorm_final_norm": "layer" if "lm_head.norm.bias" in sd else "rms"})
+def deepnorm_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """A LayerNorm saves its fp32 input, mean and 1/std (``(d + 2) 4`` bytes per token) where an RMSNorm saves
+    ``rms_norm_saved_bytes``: the 2L post-add norms of ``deepnorm_norm`` kind and the final one of
+    ``final_norm_kind`` (as many norms as Pre-LN's 2L input norms + final norm)."""
+    d = config.hidden_size
+    layer_norms = config.num_sublayers * (config.norm_kind == "layer") + (config.final_norm_kind == "layer")
+    return layer_norms * ((d + 2) * 4 - rms_norm_saved_bytes(d)) * batch * seq_len
+
 
 DESIGN = register(Design(
     "deepnorm",
@@ -124,6 +132,7 @@ DESIGN = register(Design(
         - norm_param_count(config, kind="rms", final=True)
     ),
     olmo=OLMO,
+    extra_activation_bytes=deepnorm_extra_activation_bytes,
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",
 ))

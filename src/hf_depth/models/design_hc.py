@@ -41,11 +41,11 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
-from .depth_ops import stream_route, stream_write
+from .depth_ops import SEGMENT, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, fold_aliases, one, pre_norms
-from .residual import Design, ResidualStream, SublayerConnection, register
+from .residual import STREAM_BYTES, Design, ResidualStream, SublayerConnection, register, rms_norm_saved_bytes
 
 FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
 ROUTING_ROLES = ("routing_static", "routing_dynamic", "routing_scale")
@@ -386,8 +386,21 @@ def olmo_layer(config, i: int, options: dict) -> list:
     return rules
 
 
+def stream_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """HC and mHC (``depth_ops.stream_route``/``stream_write``), per token: every sublayer's branch output y
+    (compute dtype) and write weights w (n, fp32); the n streams H (fp32) at every segment start after the first
+    (``SEGMENT`` sublayers per segment; the first one's H is the embedding's broadcast, d); with
+    ``sum_of_normed`` the final norm of all n streams instead of one vector."""
+    n, d, S = config.num_streams, config.hidden_size, config.num_sublayers
+    per_token = S * (d * compute_bytes + n * 4) + ((S - 1) // SEGMENT) * n * d * STREAM_BYTES + d * STREAM_BYTES
+    if config.final_reduce == "sum_of_normed":
+        per_token += (n - 1) * rms_norm_saved_bytes(d)
+    return per_token * batch * seq_len
+
+
 #: what HC and mHC share: the n-stream state and its init, and the OLMo-core branch aliases of their blocks
-MULTI_STREAM = dict(stream=MultiStream, init_scale=output_init_scale)
+MULTI_STREAM = dict(stream=MultiStream, init_scale=output_init_scale,
+                    extra_activation_bytes=stream_extra_activation_bytes)
 MULTI_STREAM_OLMO = dict(fold=fold_branch_aliases, aliases=branch_aliases)
 
 OLMO = OlmoRules(

@@ -15,7 +15,7 @@ from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
 from .olmo_rules import OlmoRules, norms_layer
-from .residual import Design, SublayerConnection, register
+from .residual import Design, SublayerConnection, register, rms_norm_saved_bytes
 
 
 class KeelConfig(DepthConfig):
@@ -85,6 +85,9 @@ DESIGN = register(Design(
     connection=KeelConnection,
     extra_params=lambda config: (config.num_sublayers - 1) * norm_param_count(config, role="output"),
     olmo=OLMO,
+    # the post-norm of every sublayer but the first, on the fp32 residual alpha x + F(x)
+    extra_activation_bytes=lambda config, batch, seq_len, c: (
+        (config.num_sublayers - 1) * rms_norm_saved_bytes(config.hidden_size) * batch * seq_len),
     summary="h <- N_post(alpha h + F(N_pre(h))), alpha = 2L",
     paper="Chen & Wei 2026, Post-LayerNorm Is Back: Stable, ExpressivE, and Deep (arXiv 2601.19895)",
 ))

@@ -36,7 +36,7 @@ from .configuration_depth import DepthConfig, _choice
 from .depth_ops import attach_moda_banks, moda_attention
 from .modeling_depth import DepthForCausalLM, DepthModel, apply_rotary_pos_emb
 from .olmo_rules import OlmoRules, one, pre_norms
-from .residual import AttentionCarry, Design, ResidualStream, SublayerConnection, register
+from .residual import STREAM_BYTES, AttentionCarry, Design, ResidualStream, SublayerConnection, register
 
 MODA_DEPTH_ROPE = ("rotated", "unrotated")
 
@@ -167,6 +167,23 @@ def moda_depth_kv_bytes(config, seq_len: int, batch: int, bytes_per: int) -> int
     return 2 * config.num_sublayers * seq_len * config.num_key_value_heads * config.head_dim * bytes_per * batch
 
 
+def moda_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """Beyond Pre-LN: the two depth banks of ``2L - 1`` slots (K, V; kept once per forward, read as views; none at
+    L = 1, where nothing reads them), no log-sum-exp (``moda_attention`` recomputes its softmax), and, under
+    autocast, q and k saved in fp32 (RoPE's fp32 cos/sin promote them; MoDA's softmax runs with autocast off), the
+    rotated K bank in fp32, one more cast copy of the FFN input per ``kv_proj`` and its bf16 weight copy."""
+    L, d, H = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    q, kv = H * config.head_dim, config.num_key_value_heads * config.head_dim
+    c, N = compute_bytes, batch * seq_len
+    k_bytes = STREAM_BYTES if config.moda_depth_rope == "rotated" else c
+    banks = (2 * L - 1) * kv * (k_bytes + c) * N if L > 1 else 0
+    total = banks - L * H * 4 * N
+    if c != STREAM_BYTES:
+        total += L * (q + kv) * (STREAM_BYTES - c) * N  # q, k in fp32 instead of SDPA's cast copies
+        total += (L - 1) * (d * c * N + c * d * 2 * kv)  # kv_proj: its input cast, its weight copy
+    return total
+
+
 class MoDAModel(DepthModel):
     """MoDA decoder (no LM head)."""
 
@@ -205,6 +222,7 @@ DESIGN = register(Design(
     extra_flops=moda_extra_flops,
     extra_kv_bytes=moda_depth_kv_bytes,
     olmo=OLMO,
+    extra_activation_bytes=moda_extra_activation_bytes,
     summary="attention softmax over [causal sequence KV | same-token depth KV of earlier sublayers]",
     paper="Zhu et al. 2026, Mixture-of-Depths Attention (arXiv 2603.15619)",
 ))

@@ -10,7 +10,7 @@ from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
 from .olmo_rules import OlmoRules, norms_layer
-from .residual import Design, SublayerConnection, register
+from .residual import Design, SublayerConnection, register, rms_norm_saved_bytes
 
 
 class SandwichLNConfig(DepthConfig):
@@ -55,6 +55,9 @@ DESIGN = register(Design(
     connection=SandwichConnection,
     extra_params=lambda config: config.num_sublayers * norm_param_count(config, role="output"),
     olmo=OLMO,
+    # the output norm of every sublayer saves what an RMSNorm of the branch output (compute dtype) saves
+    extra_activation_bytes=lambda config, batch, seq_len, c: (
+        config.num_sublayers * rms_norm_saved_bytes(config.hidden_size, c) * batch * seq_len),
     summary="h <- h + N_out(F(N_in(h)))",
     paper="Ding et al. 2021, CogView (arXiv 2105.13290); Kim et al. 2025, Peri-LN (arXiv 2502.02732)",
 ))

@@ -16,6 +16,8 @@ Each design file declares its ``<Name>Model(DepthModel)`` and ``<Name>ForCausalL
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import sys
 
@@ -53,13 +55,11 @@ class DepthRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
-        pos = position_ids[:, None, :].float()
-        with torch.autocast(device_type=x.device.type if x.device.type != "mps" else "cpu", enabled=False):
-            freqs = (inv_freq.float() @ pos.float()).transpose(1, 2)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            cos, sin = emb.cos(), emb.sin()
-        return cos.to(x.dtype), sin.to(x.dtype)
+        # an outer product written as a broadcast multiply (Llama's form): the same fp32 values as the matmul
+        # inv_freq @ pos (one product per entry), no autocast guard needed (mul is not autocast), fewer ops per step
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -249,7 +249,8 @@ class DepthPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def is_remote_code(cls) -> bool:
-        """Saved with its code (``trust_remote_code``) unless the design's file lives outside this folder."""
+        """Saved with its code (``trust_remote_code``) unless the design's file lives outside this folder.
+        (``generate`` asks at every decoding step: the file check is cached per class.)"""
         design = cls.design
         return super().is_remote_code() and (
             design is None or _beside_this_file(design.causal_lm_class, design.config_class))
@@ -455,11 +456,20 @@ class DepthForCausalLM(DepthPreTrainedModel, GenerationMixin):
         return out if return_dict is not False else out.to_tuple()
 
 
+@functools.cache
 def _beside_this_file(*classes: type) -> bool:
-    """Whether every class is defined in this folder (what ``trust_remote_code`` can copy)."""
+    """Whether every class is defined in this folder (what ``trust_remote_code`` can copy); a class's file never
+    moves, so the answer is cached."""
     here = os.path.dirname(os.path.abspath(__file__))
     files = [getattr(sys.modules.get(c.__module__), "__file__", None) for c in classes]  # None: a REPL, ``python -c``
     return all(f is not None and os.path.dirname(os.path.abspath(f)) == here for f in files)
+
+
+# ``generate`` reads ``inspect.signature(model.forward)`` at every decoding step of a remote-code model (to look
+# for a ``cache_position`` argument): hand it the signature computed once instead of re-parsing the function.
+for _forward in (DepthModel.forward, DepthForCausalLM.forward):
+    _forward.__signature__ = inspect.signature(_forward)
+del _forward
 
 
 def _qualified(cls: type) -> str:

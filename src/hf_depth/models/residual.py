@@ -148,6 +148,17 @@ def extra_linear_flops(config, T: int, model: nn.Module | None = None) -> dict:
     return {"matmul": total, "other": 0}
 
 
+#: bytes of the activations that the trainer keeps in the parameters' dtype (fp32: the residual stream, norm
+#: statistics and normalized values) whatever the autocast dtype
+STREAM_BYTES = 4
+
+
+def rms_norm_saved_bytes(d: int, input_bytes: int = STREAM_BYTES) -> int:
+    """Per token, what the reference RMSNorm saves (``functional.rms_norm``): its input in fp32 (the input itself,
+    or its fp32 copy), 1/rms (fp32) and the normalized value in the input's dtype (for the gamma product)."""
+    return d * STREAM_BYTES + 4 + d * input_bytes
+
+
 def no_extra_params(config) -> int:
     return 0
 
@@ -178,6 +189,10 @@ class Design:
     extra_flops: Callable = extra_linear_flops
     #: KV-cache bytes beyond the sequence KV: ``fn(config, seq_len, batch, bytes_per) -> int``
     extra_kv_bytes: Callable | None = None
+    #: saved-activation bytes of one training forward beyond Pre-LN's (negative: fewer), analytic:
+    #: ``fn(config, batch, seq_len, compute_bytes) -> int`` (``compute_bytes``: 2 under bf16 autocast, 4 in fp32;
+    #: the residual stream stays fp32); see ``hf_depth.diagnostics.cost.analytic_activation_bytes``
+    extra_activation_bytes: Callable | None = None
     #: learning rate of the generated recipes, and the grid of sweeps (DepthBench's, per design)
     lr: float = 2e-3
     sweep_lrs: tuple[float, ...] = DEPTHBENCH_LRS

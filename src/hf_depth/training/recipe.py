@@ -15,6 +15,7 @@ import difflib
 import math
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -378,4 +379,31 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
                          f"sections), got a {type(data).__name__} at the top level")
     if "name" not in data:
         data["name"] = path.stem
-    return recipe_from_dict(data, overrides)
+    recipe = recipe_from_dict(data, overrides)
+    fit = recipe_fit(recipe)
+    if not fit["fits"]:
+        from ..diagnostics.cost import fit_line
+
+        warnings.warn(f"recipe {str(path)!r}: {fit_line(recipe.name, fit)}", UserWarning, stacklevel=2)
+    return recipe
+
+
+#: the vocabulary a recipe without ``model.vocab_size`` is costed with, unless it trains the embedded tokenizer
+FIT_VOCAB = 50280  # GPT-NeoX, DepthBench's tokenizer
+
+
+def recipe_fit(recipe: Recipe, world_size: int | None = None, device_gb: float | None = None) -> dict:
+    """Analytic memory of one device for this recipe at its micro-batch x ``data.seq_len``
+    (``hf_depth.diagnostics.cost.fit_check``: bf16 autocast activations + fp32 parameters, gradients and AdamW
+    moments, sharded over ``world_size`` -- default ``$WORLD_SIZE`` or 1 -- under ``train.parallel: fsdp2``)."""
+    import os
+
+    from ..diagnostics.cost import fit_check
+
+    vocab = recipe.model.vocab_size or (recipe.data.tokenizer_vocab_size if recipe.data.tokenizer == "embedded"
+                                        else FIT_VOCAB)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    precision = "fp32" if recipe.train.mixed_precision == "no" else "bf16"
+    return fit_check(model_config(recipe, vocab_size=vocab), recipe.train.micro_batch_size, recipe.data.seq_len,
+                     recipe.train.parallel, world_size, precision, device_gb)

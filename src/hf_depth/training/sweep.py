@@ -188,8 +188,18 @@ def _main(argv: list[str] | None = None) -> int:
             raise UserError(f"run {Path(r.run_dir).name} (design {r.design}, shape {r.num_hidden_layers}x"
                             f"{r.hidden_size}, lr {r.lr:g}): {e}") from e
     if a.print_only:
+        from ..diagnostics.cost import fit_line
+        from .recipe import load_recipe, recipe_fit
+
         for r in runs:
             print(launch_command(recipe, r, overrides, a.launcher))
+            try:
+                fit = recipe_fit(load_recipe(recipe, overrides + r.overrides()))
+            except ValueError as e:
+                print(f"hf-depth sweep: {e}", file=sys.stderr)
+                return 2
+            # the fit check goes to stderr: stdout stays one launch command per line, for a scheduler
+            print(f"#   fit check: {fit_line(Path(r.run_dir).name, fit)}", file=sys.stderr)
         return 0
     from .train import run
 
