@@ -3,7 +3,8 @@ and measured activation memory, peak memory and tokens/s on the current device.
 
 **FLOPs** are counted per sequence of ``T`` tokens (default 4096), 2 FLOPs per multiply-add, matmuls only:
 
-* ``linear``: q/k/v/o and the three SwiGLU projections of every layer, ``2 T (d q + 2 d kv + q d + 3 d f)``;
+* ``linear``: q/k/v/o and the three SwiGLU projections of every layer, ``2 T (d q + 2 d kv + q d + 3 d f)``
+  (two FFN matrices for GPT-2 / GPT-NeoX's GELU MLP; the family's adapter says which);
 * ``attention_full``: ``Q K^T`` and ``P V`` over the full ``T x T`` square, ``4 T^2 H hd`` per layer (what a FLOP
   counter sees for eager or SDPA attention); ``attention_causal`` counts only the ``T (T + 1) / 2`` visible pairs;
 * ``lm_head``: ``2 T d V``;
@@ -30,6 +31,8 @@ import time
 import torch
 from torch import nn
 
+from .adapters import adapter_class, is_hf_depth
+
 STANDARD_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
 
@@ -37,8 +40,9 @@ def _dims(config) -> dict:
     d, H = config.hidden_size, config.num_attention_heads
     hd = getattr(config, "head_dim", None) or d // H
     kvh = getattr(config, "num_key_value_heads", None) or H
-    return dict(d=d, H=H, hd=hd, q=H * hd, kv=kvh * hd, kvh=kvh, f=config.intermediate_size,
-                V=config.vocab_size, L=config.num_hidden_layers)
+    family = adapter_class(config)  # the FFN's width and matrix count (SwiGLU 3, GPT-2 / NeoX GELU MLP 2)
+    return dict(d=d, H=H, hd=hd, q=H * hd, kv=kvh * hd, kvh=kvh, f=family.ffn_width(config),
+                ffn_matrices=family.ffn_matrices, V=config.vocab_size, L=config.num_hidden_layers)
 
 
 def _design_name(config) -> str:
@@ -118,6 +122,8 @@ Designs not listed (Pre-LN family: 0; HiRes and new designs) fall back to counti
 
 
 def design_extra_flops(config, T: int, model: nn.Module | None = None) -> dict:
+    if not is_hf_depth(config):
+        return {"matmul": 0, "other": 0}  # a Hub family (fused or Conv1D projections): no design extras
     name = _design_name(config)
     try:
         from ..models.registry import DESIGNS
@@ -136,7 +142,7 @@ def prefill_flops(config, seq_len: int = 4096, model: nn.Module | None = None) -
     """Analytic prefill FLOPs of one sequence of ``seq_len`` tokens (see the module docstring)."""
     T, g = seq_len, _dims(config)
     L = g["L"]
-    linear = L * 2 * T * (g["d"] * g["q"] + 2 * g["d"] * g["kv"] + g["q"] * g["d"] + 3 * g["d"] * g["f"])
+    linear = L * 2 * T * (g["d"] * g["q"] + 2 * g["d"] * g["kv"] + g["q"] * g["d"] + g["ffn_matrices"] * g["d"] * g["f"])
     attn_full = L * 4 * T * T * g["H"] * g["hd"]
     attn_causal = L * 4 * (T * (T + 1) // 2) * g["H"] * g["hd"]
     head = 2 * T * g["d"] * g["V"]
