@@ -44,14 +44,15 @@ def zero_branch(model, layer_idx):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_identical_layers_give_zero_permutation_score(design):
     model = copy_branches(tiny_model(design, num_hidden_layers=4))
-    res = permutation.permutation_scores(model, data(), show_progress=False)
+    res = permutation.permutation_scores(model, data(), show_progress=False, convention="branch")
     off = ~torch.eye(4, dtype=torch.bool)
     torch.testing.assert_close(res["scores"][off], torch.zeros(12), rtol=0, atol=1e-6)
     assert permutation.r_perm(res["scores"]) == 0.0
 
 
 def test_distinct_layers_give_nonzero_permutation_score():
-    res = permutation.permutation_scores(tiny_model("pre_ln", num_hidden_layers=3), data(), show_progress=False)
+    res = permutation.permutation_scores(tiny_model("pre_ln", num_hidden_layers=3), data(), show_progress=False,
+                                         convention="branch")
     off = ~torch.eye(3, dtype=torch.bool)
     assert bool((res["scores"][off] > 1e-5).all())
     assert bool((res["scores"] == res["scores"].T)[off].all())
@@ -84,16 +85,16 @@ def test_zero_branch_gives_zero_angular_step(design):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_zero_branch_gives_zero_causal_score_and_no_pruning_loss(design):
     model = zero_branch(tiny_model(design, num_hidden_layers=3), 1)
-    c = causal.causal_scores(model, data(), show_progress=False)
+    c = causal.causal_scores(model, data(), show_progress=False, convention="branch")
     assert float(c["scores"][1, 2]) == pytest.approx(0.0, abs=1e-6)
     assert float(c["scores"][0, 2]) > 1e-3  # a live layer's skip changes a later live update
     # dead update: 0/0 -- except where the residual itself still moves (post-norms; mHC's Sinkhorn mixing keeps the
     # stream mean only up to rounding, so the "dead" update is ~1e-8 and the ratio is finite)
     assert design in ("deepnorm", "keel", "post_ln", "mhc") or torch.isnan(c["scores"][0, 1])
     assert torch.isnan(c["scores"][1, 1]) and torch.isnan(c["scores"][2, 0])
-    pr = pruning.pruning_curve(model, data(), c["loss"], c["skip_loss"])
+    pr = pruning.pruning_curve(model, data(), c["loss"], c["skip_loss"], convention="branch")
     assert pr["delta"][1] == pytest.approx(0.0, abs=1e-6)
-    assert pruning.pruning_curve(model, data(), show_progress=False)["delta"] == pytest.approx(pr["delta"], abs=1e-6)
+    assert pruning.pruning_curve(model, data(), show_progress=False, convention="branch")["delta"] == pytest.approx(pr["delta"], abs=1e-6)
 
 
 def test_reversing_layer_gives_angular_distance_one():

@@ -141,6 +141,16 @@ def test_mhc_coefficients(n):
     check("mhc_coefficients", [rnd(2, 5, n, d), rnd(n * d, k, scale=0.2), torch.rand(3), rnd(k), 20, 1e-6])
 
 
+@pytest.mark.parametrize("tanh,columns_first", [(True, False), (False, True), (True, True)])
+def test_mhc_coefficients_depthbench_forms(tanh, columns_first):
+    """DepthBench's torch backend forms (``mhc_dynamic_tanh``, ``mhc_sinkhorn_order="columns_first"``)."""
+    torch.manual_seed(7)
+    n, d = 4, 13
+    k = n * n + 2 * n
+    check("mhc_coefficients", [rnd(2, 5, n, d), rnd(n * d, k, scale=0.2), torch.rand(3), rnd(k), 20, 1e-6, tanh,
+                               columns_first])
+
+
 def test_hc_coefficients_stays_in_torch():
     # documented choice (kernels/hc.md): the dynamic HC coefficients are a skinny GEMM left to PyTorch
     assert K.hc_coefficients is F.hc_coefficients

@@ -12,7 +12,8 @@ from hf_depth import olmo_core
 from hf_depth.olmo_core import hf_depth_to_olmo_core, olmo_core_to_hf_depth
 
 D, L, H, V, F = 32, 2, 4, 97, 96  # tiny: hidden 32, 2 blocks, 4 heads (head_dim 8), vocab 97, FFN 96
-FIELDS = dict(num_attention_heads=H, pad_token_id=1, eos_token_id=3)
+FIELDS = dict(num_attention_heads=H, rope_theta=10000.0, rms_norm_eps=1e-6, pad_token_id=1, eos_token_id=3)
+HC = dict(hc_stream_mixing=True)  # the HC version: never guessed by the converter
 
 
 def _ids():
@@ -200,8 +201,9 @@ def test_round_trip_identical_logits(block, kw):
     model = _randomize(hf_depth.model_for(design, vocab_size=V, hidden_size=D, num_hidden_layers=L, **cfg).eval())
     sd = hf_depth_to_olmo_core(model, **({"mhc_backend": backend} if backend else {}))
     assert all(k.startswith(("embeddings.", "blocks.", "lm_head.", "res_")) for k in sd)
-    if design == "mhc":  # the routing fields follow the DepthBench backend by default: pin them to the model's
-        cfg.update(mhc_final_reduce=model.config.mhc_final_reduce, mhc_norm_eps=model.config.mhc_norm_eps)
+    # the fields that follow DepthBench's forward by default (mHC backend, AttnRes eps, MoDA depth RoPE, HC
+    # version): pin them to the model's
+    cfg.update({k: getattr(model.config, k) for k in olmo_core._FORWARD_FIELDS if hasattr(model.config, k)})
     back = olmo_core_to_hf_depth(sd, block, mhc_backend=backend, **cfg)
     assert back.config.design == design
     torch.testing.assert_close(_logits(back), _logits(model), rtol=0, atol=0)
@@ -222,11 +224,11 @@ def test_hc_branch_aliases_checked():
     sd = hf_depth_to_olmo_core(model, hc_branch_aliases=True)
     assert "blocks.0.attention_hyper_connection.branch.attention.w_q.weight" in sd
     assert "blocks.1.feed_forward_hyper_connection.branch.norm.weight" in sd
-    back = olmo_core_to_hf_depth(sd, "hc", **FIELDS)
+    back = olmo_core_to_hf_depth(sd, "hc", **FIELDS, **HC)
     torch.testing.assert_close(_logits(back), _logits(model), rtol=0, atol=0)
     sd["blocks.0.attention_hyper_connection.branch.attention.w_q.weight"] = torch.zeros(D, D)
     with pytest.raises(ValueError, match="branch.attention.w_q.weight"):
-        olmo_core_to_hf_depth(sd, "hc", **FIELDS)
+        olmo_core_to_hf_depth(sd, "hc", **FIELDS, **HC)
 
 
 def test_mhc_torch_layout_transposes_h_res():
@@ -304,7 +306,7 @@ def test_cli_pt_safetensors_and_config_json(tmp_path):
     (src_dir / "config.json").write_text(json.dumps(olmo_cfg))
     runs = [
         [str(tmp_path / "ckpt.pt"), str(tmp_path / "out_pt"), "--design", "default", "--set", f"num_attention_heads={H}",
-         "--set", "pad_token_id=1", "--set", "eos_token_id=3"],
+         "--set", "rope_theta=10000", "--set", "rms_norm_eps=1e-6", "--set", "pad_token_id=1", "--set", "eos_token_id=3"],
         [str(src_dir), str(tmp_path / "out_st"), "--set", "pad_token_id=1", "--set", "eos_token_id=3"],
     ]
     for argv in runs:
@@ -315,7 +317,8 @@ def test_cli_pt_safetensors_and_config_json(tmp_path):
         torch.testing.assert_close(_logits(out), ref, rtol=0, atol=0)
     bad = dict(sd, **{"blocks.0.extra.weight": torch.zeros(1)})
     torch.save(bad, tmp_path / "bad.pt")
-    assert olmo_core.main([str(tmp_path / "bad.pt"), str(tmp_path / "no"), "--design", "default"]) == 2
+    assert olmo_core.main([str(tmp_path / "bad.pt"), str(tmp_path / "no"), "--design", "default",
+                           "--set", f"num_attention_heads={H}", "--set", "rope_theta=1e4", "--set", "rms_norm_eps=1e-6"]) == 2
     assert not os.path.exists(tmp_path / "no")
 
 
@@ -336,7 +339,7 @@ def test_distributed_checkpoint_folder(tmp_path):
 
 def test_tokenizer_defaults():
     sd = _fixture_default()
-    conv = olmo_core_to_hf_depth(sd, "default", num_attention_heads=H)
+    conv = olmo_core_to_hf_depth(sd, "default", num_attention_heads=H, rope_theta=1e4, rms_norm_eps=1e-6)
     assert conv.config.pad_token_id == olmo_core.TOKENIZER["pad_token_id"]
     assert conv.config.eos_token_id == olmo_core.TOKENIZER["eos_token_id"]
     assert hf_depth.config_for("pre_ln").vocab_size == olmo_core.TOKENIZER["vocab_size"]

@@ -1,9 +1,12 @@
 """The code sandbox: hostile programs fail and harm nothing; execution needs an explicit opt-in."""
 
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +15,9 @@ from hf_depth.evaluation.sandbox import CodeExecutionRefused, Limits, run_progra
 
 
 def run(src, private_uid=True, **limits):
+    # private_uid=False: the fallback of a machine without namespaces or root (audit hooks guard the run)
     return run_program(textwrap.dedent(src), Limits(**{"timeout": 20.0, **limits}), allow=True,
-                       private_uid=private_uid)
+                       private_uid=private_uid, namespaces=private_uid)
 
 
 # As root the kernel enforces containment (private uid); the audit-hook fallback used by non-root callers is
@@ -36,8 +40,9 @@ def test_refused_without_opt_in(monkeypatch):
 
 
 def test_pass_fail_and_isolation_report():
-    ok = run("import sys; print('hi'); sys.exit(0)")
+    ok = run("import sys; print('hi')")
     assert ok.passed and ok.stdout == "hi\n"
+    assert not run("import sys; print('hi'); sys.exit(0)").passed   # issue 13: an early exit never passes
     assert not run("assert 1 == 2").passed
     assert not run("raise SystemExit(3)").passed
     if os.geteuid() == 0 and ok.isolation["mountns"]:   # root with namespaces: a private unprivileged uid
@@ -82,8 +87,20 @@ def test_memory_bomb_fails():
     assert not r.passed and "MemoryError" in r.stderr
 
 
+@pytest.fixture
+def host_dir():
+    """A folder outside the temp dirs a contained run gets privately (/tmp, /var/tmp, /dev/shm): the attacks
+    below must meet the real files."""
+    root = Path(__file__).resolve().parents[1] / ".pytest_cache"
+    root.mkdir(exist_ok=True)
+    d = Path(tempfile.mkdtemp(prefix="sandbox-canary-", dir=root))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parametrize("private_uid", MODES, ids=lambda m: "private_uid" if m else "hooks")
-def test_cannot_delete_or_write_outside(tmp_path, private_uid):
+def test_cannot_delete_or_write_outside(host_dir, private_uid):
+    tmp_path = host_dir
     outside = tmp_path / "outside"
     outside.mkdir()
     canary = outside / "canary.txt"

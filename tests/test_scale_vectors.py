@@ -250,6 +250,8 @@ def test_policies():
             assert set(decay.values()) == {0.1}
         elif policy == "iwd":
             assert all(decay[n] == (0.1 if roles[n] == "input_norm" else 0.0) for n in norms)
+        elif policy == "output_norm_only":
+            assert all(decay[n] == (0.1 if roles[n] == "output_norm" else 0.0) for n in norms)
         else:
             assert all(decay[n] == 0.0 for n in norms)
         assert decay["model.layers.1.mlp.up_proj.weight"] == 0.1

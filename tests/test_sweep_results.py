@@ -60,7 +60,9 @@ def test_scaling_law_fit_and_compute_efficiency():
     fit = results.fit_scaling_law(n, a * n**-alpha + c)
     assert fit["alpha"] == pytest.approx(alpha, rel=1e-3) and fit["c"] == pytest.approx(c, abs=1e-3)
     better = results.fit_scaling_law(n, a * (1.3 * n) ** -alpha + c)  # 1.3x "effective parameters"
-    eff = results.compute_efficiency(fit, better, loss=2.5)
+    C = 6 * n * 20 * n / results.PFLOPS_DAY  # compute of the same points (PFLOP/s-days); design b at 1.3^2 x less
+    fit_c, better_c = results.fit_scaling_law(C, a * n**-alpha + c), results.fit_scaling_law(C / 1.69, a * n**-alpha + c)
+    eff = results.compute_efficiency(fit_c, better_c, 2.5, fit, better)
     assert eff["param_ratio"] == pytest.approx(1.3, rel=1e-3) and eff["compute_ratio"] == pytest.approx(1.69, rel=2e-3)
     with pytest.raises(ValueError, match="at least 3 model sizes"):
         results.fit_scaling_law([1e6, 2e6], [3.0, 2.9])

@@ -1,6 +1,9 @@
 """``hf-depth`` command line: one entry point, subcommands implemented by the modules that own them.
 
-Each subcommand imports its module lazily, so ``hf-depth shapes`` never imports lm-eval or Triton.
+Each subcommand imports its module lazily, so ``hf-depth shapes`` never imports lm-eval or Triton. Every
+subcommand runs behind one error path (``hf_depth.errors.run_command``): an expected failure prints
+``hf-depth COMMAND: <what is wrong and what to do>`` on one line and exits 2; ``--debug`` (anywhere on the
+command line) or ``HF_DEPTH_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import sys
 COMMANDS = {
     "shapes": ("hf_depth.shapes", "iso-parameter shape spectrum"),
     "train": ("hf_depth.training.train", "pretrain a design from a recipe YAML (accelerate)"),
+    "launch-commands": ("hf_depth.training.launch", "per-node multi-process launch commands for a recipe"),
     "sweep": ("hf_depth.training.sweep", "expand designs x shapes x learning rates into runs"),
     "results": ("hf_depth.training.results", "collect finished runs into tables, plots and scaling fits"),
     "export": ("hf_depth.hub", "write a Hub-ready folder (and model card) from a run; --push to upload"),
@@ -22,13 +26,16 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: hf-depth COMMAND [args...]", "", "commands:"]
+    lines = ["usage: hf-depth COMMAND [args...] [--debug]", "", "commands:"]
     lines += [f"  {name:<18} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "--debug (or HF_DEPTH_DEBUG=1): show the traceback of a failure instead of its one-line message"]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--debug"]:  # hf-depth --debug COMMAND ...: the flag is the command's
+        argv = argv[1:2] + ["--debug"] + argv[2:]
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
@@ -36,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"hf-depth: unknown command {cmd!r}; allowed: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[cmd][0])
-    result = module.main(rest)
-    return int(result or 0)
+    from .errors import run_command
+
+    return run_command(cmd, lambda args: importlib.import_module(COMMANDS[cmd][0]).main(args), rest)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ The folder holds ``model.safetensors``, ``config.json`` with ``auto_map`` and th
 ``trust_remote_code=True`` where hf_depth is not installed), the tokenizer, ``generation_config.json``, the
 recipe, ``loss_curve.png`` and ``README.md``: a model card from ``model_cards/template.md`` whose YAML front
 matter carries ``library_name``, ``tags``, ``datasets`` and a ``model-index`` with the validation loss and any
-evaluation results found in the run folder (``eval_results.json``: ``{task: {metric: value}}``).
+evaluation results found in the run folder (``eval_results.json``: ``{task: {metric: value}}``, written by
+``hf-depth eval RUN``), which also make its "Evaluation" section.
 Diagnostics add their headline numbers with ``write_model_card(folder, run_dir, {"Depth diagnostics": text})``.
 """
 
@@ -81,6 +82,24 @@ def front_matter(summary: dict, meta: dict, recipe: dict, repo_id: str) -> dict:
     return fm
 
 
+EVAL_RESULTS = "eval_results.json"   # `hf-depth eval RUN` writes it ({task: {metric: value}}) next to RUN/eval/
+
+
+def eval_section(run_dir: str | Path) -> str | None:
+    """Markdown table of ``RUN/eval_results.json`` (task | metric | value), with the ``--limit`` it ran under."""
+    path = Path(run_dir) / EVAL_RESULTS
+    if not path.exists():
+        return None
+    results = json.loads(path.read_text())
+    rows = ["| task | metric | value |", "|---|---|---|"]
+    rows += [f"| {task} | {metric} | {value:.4f} |" for task, metrics in results.items()
+             for metric, value in metrics.items()]
+    full = Path(run_dir) / "eval" / "results.json"
+    limit = json.loads(full.read_text()).get("config", {}).get("limit") if full.exists() else None
+    note = f" on the first {limit:g} documents of each task (`--limit`: a smoke test, not a score)" if limit else ""
+    return "\n".join(rows) + f"\n\nFrom `hf-depth eval`{note}; prompts and metrics: hf_depth's `eval/tasks`."
+
+
 DIAGNOSTICS_REPORT = "diagnostics/report.json"  # `hf-depth diagnose RUN/final --out RUN/diagnostics`
 
 
@@ -99,7 +118,14 @@ def diagnostics_section(run_dir: str | Path) -> str | None:
             rows.append(f"| {label} | {h[key]:.4f} |")
     if h.get("pruning_delta") is not None:
         rows.append("| loss increase when layer l is pruned | " + ", ".join(f"{x:+.3f}" for x in h["pruning_delta"]) + " |")
-    return "\n".join(rows) + "\n\nFrom `hf-depth diagnose` (`diagnostics/report.json` of the run)."
+    for key, label in (("global_causal_score", "global causal score (DepthBench)"),
+                       ("global_permutation_weighted", "0.9^l-weighted permutation score (DepthBench)")):
+        if h.get(key) is not None:
+            rows.append(f"| {label} | {h[key]:.4f} |")
+    conv = h.get("convention", "branch")
+    note = ("DepthBench's analysis conventions (comparable with its Figures 5, 6, 8)" if conv == "depthbench"
+            else "the branch convention (branches zeroed / swapped): not comparable with DepthBench's figures")
+    return "\n".join(rows) + f"\n\nFrom `hf-depth diagnose` (`diagnostics/report.json` of the run), {note}."
 
 
 def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: dict | None = None,
@@ -109,8 +135,8 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
 
     folder, run_dir = Path(folder), Path(run_dir)
     summary, meta, recipe, metrics = _read_run(run_dir)
-    if (run_dir / "eval_results.json").exists():
-        meta["eval_results"] = json.loads((run_dir / "eval_results.json").read_text())
+    if (run_dir / EVAL_RESULTS).exists():
+        meta["eval_results"] = json.loads((run_dir / EVAL_RESULTS).read_text())
     repo_id = repo_id or f"hf-depth/{summary.get('name', run_dir.name)}"
     design = summary.get("design") or meta.get("design", "unknown")
     entry = DESIGNS.get(design)
@@ -121,6 +147,9 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
     if metrics and not (folder / "loss_curve.png").exists():
         plot_loss_curve(metrics, folder / "loss_curve.png")
     sections = dict(extra_sections or {})
+    evals = eval_section(run_dir)
+    if evals is not None:
+        sections.setdefault("Evaluation", evals)
     diag = diagnostics_section(run_dir)
     if diag is not None:
         sections.setdefault("Depth diagnostics", diag)
@@ -140,6 +169,37 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
         final_loss=num("final_loss"), best_val_loss=num("best_val_loss"), lr=num("lr", "{:g}"),
         git_sha=meta.get("git_sha") or "unknown", recipe=yaml.safe_dump(recipe, sort_keys=False).strip(),
         extra_sections=extra,
+    )
+    path = folder / "README.md"
+    path.write_text(card)
+    return path
+
+
+def write_conversion_card(folder: str | Path, model, source: dict, src: str | None = None,
+                          repo_id: str | None = None) -> Path:
+    """Write ``folder/README.md`` for a converted checkpoint: its source (format, block type, backend, version)
+    and the config fields set to match the source's forward (``source`` from ``olmo_core.source_record``)."""
+    from . import __version__
+    from .models.registry import DESIGNS
+
+    folder, cfg = Path(folder), model.config
+    design = cfg.design
+    entry = DESIGNS.get(design)
+    repo_id = repo_id or f"hf-depth/{Path(str(src or folder)).name}-{design}"
+    rows = [("source format", source.get("format", "?")), ("source checkpoint", f"`{src}`" if src else "n/a")]
+    rows += [(k.replace("_", " "), f"`{v}`") for k, v in source.items() if k not in ("format", "fields")]
+    fm = {"library_name": "transformers", "license": "apache-2.0", "pipeline_tag": "text-generation",
+          "tags": ["hf_depth", f"hf_depth_{design}", "custom_code", "depth-scaling", "causal-lm", "olmo-core",
+                   "depthbench"]}
+    text = resources.files("hf_depth").joinpath("data/converted_card_template.md").read_text()
+    card = string.Template(text).safe_substitute(
+        front_matter=yaml.safe_dump(fm, sort_keys=False).strip(), title=repo_id.split("/")[-1], design=design,
+        layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, params=f"{sum(p.numel() for p in model.parameters()):,}",
+        format=source.get("format", "OLMo-core"), block_type=source.get("block_type", "?"), version=__version__,
+        design_summary=(entry.paper if entry and entry.paper else f"The `{design}` residual design."),
+        equation=entry.summary if entry and entry.summary else design,
+        source_rows="\n".join(f"| {k} | {v} |" for k, v in rows),
+        field_rows="\n".join(f"| `{k}` | `{v}` |" for k, v in source.get("fields", {}).items()), repo_id=repo_id,
     )
     path = folder / "README.md"
     path.write_text(card)

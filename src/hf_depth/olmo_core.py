@@ -46,7 +46,8 @@ Per design (DepthBench block type -> hf_depth design):
 * ``deepnorm`` -> ``deepnorm``: DepthBench's DeepNorm block re-uses the input-norm modules as the post-add
   norms (``LN(alpha x + F(x))``): ``blocks.i.attention_norm.{weight,bias}`` -> ``layers.i.attn_connection.norm``,
   ``blocks.i.feed_forward_norm.{weight,bias}`` -> ``layers.i.mlp_connection.norm`` (LayerNorm; a block LayerNorm
-  saved without bias gets a zero bias, the same function). ``examples/pretrain_deepnorm.py`` switches only the
+  saved without bias gets a zero bias, the same function; pass ``deepnorm_norm_bias=False`` for DepthBench's
+  bias-free LayerNorm exactly). ``examples/pretrain_deepnorm.py`` switches only the
   *block* norms to LayerNorm, so ``lm_head.norm`` is an RMSNorm (weight only): the config gets
   ``deepnorm_final_norm="rms"``; with ``lm_head.norm.bias`` present it stays a LayerNorm.
 * ``keel`` -> ``keel``: as ``default`` plus ``blocks.i.post_attention_norm`` (i > 0; block 0 has none, as in
@@ -105,15 +106,29 @@ Per design (DepthBench block type -> hf_depth design):
   ``blocks.i.feed_forward.kv_proj.weight`` [2 * n_kv * hd, d] (rows [k | v]; absent in the last block) ->
   ``model.layers.i.kv_proj.weight`` (same layout).
 
-The converter maps parameters; it cannot change what a design computes. Differences between DepthBench's
-forward passes and hf_depth's, as stored (so a converted model matches only where both agree):
+Where DepthBench's forward differs from hf_depth's defaults, the converter sets the config fields that express
+DepthBench's function (given fields win; new hf_depth models keep the defaults). Each is tested against an
+independent re-implementation of DepthBench's forward written from its source (``tests/depthbench_reference.py``):
 
-* HC: one stored ``hyper_connections.py`` writes ``H' = A_r^T H + beta y`` (paper, = hf_depth); another,
-  ``H' = H + beta y`` (``A_r`` unused). Checkpoints of the second variant match only while ``A_r`` = I.
-* MoDA: DepthBench caches the depth key *before* RoPE and reads it with the rotated query; hf_depth rotates
-  depth keys at the token's own position (so ``q . K`` is the unrotated product).
-* mHC torch/static backends: the Sinkhorn residual above; Liger's Sinkhorn (exp + eps) vs hf_depth's log
-  domain: the same fixed point, 1e-6-level differences.
+* AttnRes (``kernels/attnres.py``; norms built without an eps in ``block.py``): ``attnres_norm_eps=1e-5`` for the
+  key norms and the fused output norm of every aggregation.
+* MoDA (``nn/moda.py``: depth keys cached before RoPE, FFN ``kv_proj`` keys never rotated):
+  ``moda_depth_rope="unrotated"``.
+* HC: two stored ``hyper_connections.py`` versions, ``H' = A_r^T H + beta y`` (@ 8cc2fd7) and the earlier
+  ``H' = H + beta y`` (@ 5152cab), with identical state dicts: the version is **never guessed**,
+  ``hc_stream_mixing`` (True / False) must be given.
+* mHC torch backends (``mhc``, ``mhc_static``): ``mhc_sinkhorn_order="columns_first"`` (hf_depth stores R^T, and
+  the transpose of DepthBench's rows-first Sinkhorn is a columns-first one, so H_res is equal, 20-iteration
+  residual included); ``mhc``: ``mhc_dynamic_tanh=True`` (``gate * tanh(proj) + bias``), ``mhc_norm_eps=1e-8``.
+  ``liger_mhc``: Liger's Sinkhorn (exp + 1e-6 per step) vs hf_depth's log domain: the same limit,
+  ~1e-5 logit differences at the tested scale.
+
+Values that change the logits and no tensor shape tells -- ``num_attention_heads``, ``rope_theta`` (OLMo-core's
+default is 500000, hf_depth's 10000), ``rms_norm_eps`` (and the HC version) -- are read from OLMo-core's
+``config.json`` (``model.block.sequence_mixer.n_heads`` / ``.rope.theta``, ``model.block.layer_norm.eps``; a saved
+``eps: null`` is OLMo-core's 1e-5) or given (``--set``, keyword arguments); otherwise the conversion is refused in
+one line naming them. A converted model carries ``model.olmo_core_source`` (block type, backend, HC version, the
+fields set), which the CLI writes into the folder's model card (``hub.write_conversion_card``).
 
 Prefixes ``model.`` (trainer state), ``_orig_mod.`` (``torch.compile``) and ``_checkpoint_wrapped_module.``
 (activation checkpointing) are stripped on load. Tokenizer settings: DepthBench's GPT-NeoX/OLMo tokenizer,
@@ -152,6 +167,7 @@ BLOCK_TYPES = {
 }
 MHC_BACKENDS = ("liger_mhc", "mhc", "mhc_static")
 TOKENIZER = {"vocab_size": 50280, "eos_token_id": 50279, "pad_token_id": 1}
+OLMO_CORE_NORM_EPS = 1e-5  # olmo_core.nn.layer_norm: the eps of a norm built without one
 
 _STRIP_PREFIXES = ("model.", "module.")
 _STRIP_INFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
@@ -271,7 +287,7 @@ def _layer_peri_norm(config, i, opts):
 
 
 def _layer_deepnorm(config, i, opts):
-    L, ln = f"model.layers.{i}", config.norm_kind == "layer"
+    L, ln = f"model.layers.{i}", config.norm_kind == "layer" and config.norm_bias
     return (
         _branches(config, i, opts["fused_qkv"])
         + _norm(f"blocks.{i}.attention_norm", f"{L}.attn_connection.norm", config, layer_norm=ln)
@@ -582,9 +598,49 @@ def _detect_backend(sd: dict) -> str | None:
 #: hf_depth mHC fields that follow DepthBench's backend unless given (final reduce, RMS eps of the routing)
 MHC_BACKEND_FIELDS = {
     "liger_mhc": {"mhc_final_reduce": "mean_then_norm", "mhc_norm_eps": 1e-6},
-    "mhc": {"mhc_final_reduce": "sum_of_normed", "mhc_norm_eps": 1e-8},
-    "mhc_static": {"mhc_final_reduce": "sum_of_normed"},
+    "mhc": {"mhc_final_reduce": "sum_of_normed", "mhc_norm_eps": 1e-8, "mhc_dynamic_tanh": True,
+            "mhc_sinkhorn_order": "columns_first"},
+    "mhc_static": {"mhc_final_reduce": "sum_of_normed", "mhc_sinkhorn_order": "columns_first"},
 }
+
+#: hf_depth fields that make a converted model compute DepthBench's own forward where it differs from
+#: hf_depth's defaults (set unless given): AttnRes's aggregation norms have OLMo-core's default eps 1e-5
+#: (``block.py`` builds them without one); MoDA's depth keys are never rotated (``nn/moda.py``).
+DEPTHBENCH_FORWARD = {
+    "attnres": {"attnres_norm_eps": 1e-5},
+    "block_attnres": {"attnres_norm_eps": 1e-5},
+    "moda": {"moda_depth_rope": "unrotated"},
+}
+
+#: values that change the logits and that no tensor shape tells: never guessed (config.json or given)
+REQUIRED = {
+    "num_attention_heads": "attention heads (config: model.block.sequence_mixer.n_heads)",
+    "rope_theta": "RoPE theta (model.block.sequence_mixer.rope.theta; OLMo-core's default is 500000)",
+    "rms_norm_eps": "block norm eps (model.block.layer_norm.eps)",
+}
+#: the HC version: True = ``H' = A_r^T H + beta y`` (hyper_connections.py @ 8cc2fd7), False = ``H' = H + beta y``
+#: (the earlier version @ 5152cab); the state dicts of both are identical
+HC_VERSION = "hc_stream_mixing"
+
+
+def missing_required(design: str, fields: dict) -> list[str]:
+    """The logit-changing fields (:data:`REQUIRED`, plus the HC version for ``hc``) absent from ``fields``."""
+    names = [k for k in REQUIRED if fields.get(k) is None]
+    if _design_name(design, fields) == "hc" and fields.get(HC_VERSION) is None:
+        names.append(HC_VERSION)
+    return names
+
+
+def refuse_to_guess(design: str, fields: dict, how: str = "keyword arguments") -> None:
+    """Raise one ``ValueError`` line naming every logit-changing value not given."""
+    names = missing_required(design, fields)
+    if names:
+        raise ValueError(
+            f"refusing to guess {', '.join(names)} (they change the logits and no tensor shape tells them): give "
+            f"them as {how} or pass OLMo-core's config.json"
+            + (f"; {HC_VERSION}=true for H' = A_r^T H + beta y, false for the earlier H' = H + beta y"
+               if HC_VERSION in names else "")
+        )
 
 
 def build_config(design: str, sd: dict, mhc_backend: str | None = None, **fields):
@@ -602,6 +658,7 @@ def build_config(design: str, sd: dict, mhc_backend: str | None = None, **fields
     if design == "mhc":
         backend = mhc_backend or _detect_backend(sd) or "liger_mhc"
         fields = {**MHC_BACKEND_FIELDS.get(backend, {}), **fields}
+    fields = {**DEPTHBENCH_FORWARD.get(design, {}), **fields}
     cls = DESIGNS[design].config_class
     inferred = infer_fields(sd, design, fields)
     streams = inferred.pop("_streams", None)
@@ -638,8 +695,8 @@ def _olmo_json_fields(cfg: dict) -> tuple[str | None, dict]:
     if rope.get("theta") is not None:
         fields["rope_theta"] = float(rope["theta"])
     ln = block.get("layer_norm") or {}
-    if ln.get("eps") is not None:
-        fields["rms_norm_eps"] = float(ln["eps"])
+    if "eps" in ln:  # a saved ``eps: null`` is OLMo-core's module default
+        fields["rms_norm_eps"] = OLMO_CORE_NORM_EPS if ln["eps"] is None else float(ln["eps"])
     ff = block.get("feed_forward") or {}
     if ff.get("hidden_size") is not None:
         fields["intermediate_size"] = ff["hidden_size"]
@@ -715,6 +772,7 @@ def olmo_core_to_hf_depth(state_dict: dict, design: str, *, mhc_backend: str | N
     ``mhc_backend`` (``liger_mhc`` / ``mhc`` / ``mhc_static``) and ``fused_qkv`` are detected from the keys;
     ``sinkhorn_tau`` is DepthBench's ``mhc_static`` Sinkhorn temperature (1.0 unless configured).
     """
+    refuse_to_guess(design, config_fields)
     stripped = _strip(dict(state_dict))
     config = build_config(design, stripped, mhc_backend=mhc_backend, **config_fields)
     hf_sd = olmo_core_to_hf_state_dict(stripped, config, mhc_backend=mhc_backend, fused_qkv=fused_qkv,
@@ -742,7 +800,30 @@ def olmo_core_to_hf_depth(state_dict: dict, design: str, *, mhc_backend: str | N
     model.config.dtype = target  # parameters are already in `target`; fp32 buffers (RoPE inv_freq) stay fp32
     gc = model.generation_config
     gc.eos_token_id, gc.pad_token_id = config.eos_token_id, config.pad_token_id
+    model.olmo_core_source = source_record(design, config, stripped, mhc_backend)
     return model.eval()
+
+
+#: the hf_depth fields that express DepthBench's forward, per design (recorded in a converted model's card)
+_FORWARD_FIELDS = ("attnres_norm_eps", "moda_depth_rope", HC_VERSION, "mhc_dynamic_tanh", "mhc_sinkhorn_order",
+                   "mhc_final_reduce",
+                   "mhc_norm_eps", "hc_final_reduce", "deepnorm_final_norm")
+
+
+def source_record(block: str, config, sd: dict | None = None, mhc_backend: str | None = None) -> dict:
+    """What a converted model came from and which hf_depth fields make it compute that forward."""
+    rec = {"format": "OLMo-core / DepthBench (keyu-wang-2002/DepthBench)", "block_type": block,
+           "hf_depth_design": config.design}
+    if config.design == "mhc":
+        rec["mhc_backend"] = mhc_backend or (_detect_backend(sd) if sd is not None else None) or "liger_mhc"
+    if config.design == "hc":
+        rec["hc_version"] = ("H' = A_r^T H + beta y (hyper_connections.py @ 8cc2fd7)" if config.hc_stream_mixing
+                             else "H' = H + beta y, no stream mixing (earlier hyper_connections.py @ 5152cab)")
+    if config.design in ("attnres", "block_attnres"):
+        rec["attnres_block_size"] = config.attnres_block_sublayers
+    known = _fields_of(type(config))
+    rec["fields"] = {k: getattr(config, k) for k in (*REQUIRED, *_FORWARD_FIELDS) if k in known}
+    return rec
 
 
 def hf_depth_to_olmo_core(model, *, mhc_backend: str = "liger_mhc", fused_qkv: bool = False,
@@ -864,7 +945,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--design is required (no block name in a config JSON)")
     if design != "attnres" and _design_name(design, fields) != "block_attnres":
         fields.pop("attnres_block_size", None)
-    sd = load_state_dict(a.src)
+    try:
+        refuse_to_guess(design, fields, how="--set FIELD=VALUE")
+    except ValueError as e:
+        print(f"hf-depth convert-olmo-core: {e}", file=sys.stderr)
+        return 2
+    from .errors import reading
+
+    with reading(a.src, "the OLMo-core checkpoint", "give a .pt/.safetensors state dict, or a (distributed) "
+                 "checkpoint folder; a truncated file: re-save or re-download it"):
+        sd = load_state_dict(a.src)
     dtype = getattr(torch, a.dtype) if a.dtype else None
     try:
         model = olmo_core_to_hf_depth(sd, design, mhc_backend=mhc_backend, sinkhorn_tau=sinkhorn_tau, dtype=dtype,
@@ -874,6 +964,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tmp = a.out.rstrip("/") + ".tmp"
     model.save_pretrained(tmp, max_shard_size=a.max_shard_size)
+    from .hub import write_conversion_card
+
+    write_conversion_card(tmp, model, model.olmo_core_source, src=a.src)
     if os.path.exists(a.out):
         import shutil
 

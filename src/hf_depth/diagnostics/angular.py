@@ -3,7 +3,8 @@
     d(h_l, h_{l+n}) = arccos( <h_l, h_{l+n}> / (|h_l| |h_{l+n}|) ) / pi        in [0, 1]
 
 averaged over real (non-padding) tokens of the calibration data. ``h_0`` is the embedding and ``h_L`` the last
-layer's output before the final norm (see ``common.py``). Result: ``D[l, n]`` for start layer ``l`` in 0..L and
+layer's output before the final norm; which state is measured is the convention's (``conventions``: DepthBench's
+concatenated HC/mHC streams and AttnRes depth mixes by default, the collapsed stream for ``branch``). Result: ``D[l, n]`` for start layer ``l`` in 0..L and
 offset ``n`` in 0..L - l (NaN elsewhere); ``D[l, 1]`` is how much layer ``l`` turns the representation.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import as_batches, forward_states, progress
+from . import conventions
+from .common import as_batches, progress
 
 
 def angular_sums(states: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
@@ -27,12 +29,14 @@ def angular_sums(states: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def angular_distance(model, batches, show_progress: bool = True) -> torch.Tensor:
+def angular_distance(model, batches, show_progress: bool = True,
+                     convention: str = conventions.DEFAULT) -> torch.Tensor:
     """Token-mean angular distance ``D[l, n]`` (``[L+1, L+1]``, NaN where ``l + n > L``)."""
+    conventions.check(convention)
     batches = as_batches(batches)
     total, count = None, 0
     for b in progress(batches, desc="angular", enabled=show_progress):
-        f = forward_states(model, b)
+        f = conventions.forward_states(model, b, convention)
         s = angular_sums(f.states, b.tokens)
         total = s if total is None else total + s
         count += int(b.tokens.sum())

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from .conventions import CONVENTIONS, DEFAULT
 from .data import DEFAULT_DATASET, load_calibration
 from .report import MEASUREMENTS, headline, run_diagnostics, write_report
 
@@ -37,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per cost measurement (median)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--convention", choices=CONVENTIONS, default=DEFAULT,
+                   help="skip/swap/state semantics: depthbench (DepthBench's analysis code, default) or branch")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -47,6 +50,7 @@ def _load(args):
 
     import hf_depth  # noqa: F401  (registers every design with the Auto classes)
 
+    from ..errors import reading_model
     from .adapters import adapter_class, supported_families
 
     try:
@@ -56,7 +60,8 @@ def _load(args):
                          f"{supported_families()}") from None
     adapter_class(config)  # refuse an unknown family before loading any weight
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
+    with reading_model(args.model):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(device).eval()
     tok = None
     try:
         tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
@@ -78,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     device = next(model.parameters()).device
     batches = [b.to(device) for b in batches]
     report = run_diagnostics(model, batches, args.only, args.flops_seq_len, not args.no_measure_cost,
-                             args.measure_seq_len, args.repeats, show_progress=not args.no_progress)
+                             args.measure_seq_len, args.repeats, show_progress=not args.no_progress,
+                             convention=args.convention)
     report["args"] = {k: v for k, v in vars(args).items()}
     files = write_report(report, args.out)
     print(json.dumps({"headline": headline(report), "files": files, "seconds": report["timing_s"]["total"]},

@@ -20,6 +20,7 @@ import random
 
 import torch
 
+from ..errors import UserError, reading
 from .common import Batch
 
 DEFAULT_DATASET = "hf:HuggingFaceFW/fineweb-edu:sample-10BT:train"
@@ -47,24 +48,42 @@ def _records(source: str, max_docs: int):
         raise ValueError(f"`--data` {source!r} does not exist (a .txt/.jsonl/.json/.pt/.npy file or hf:NAME)")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
-        with path.open() as fh:
-            for line in fh:
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for n, line in enumerate(fh):
                 if line.strip():
-                    yield json.loads(line)
+                    try:
+                        rec = json.loads(line)
+                    except ValueError as e:
+                        raise UserError(f"`--data` {source!r} line {n + 1} is not JSON ({e}): one record per line, "
+                                        'e.g. {"text": ...} or {"input_ids": [...]}') from None
+                    if not isinstance(rec, dict):
+                        raise UserError(f"`--data` {source!r} line {n + 1} is not a JSON object with 'text' or 'input_ids'")
+                    yield rec
     elif suffix == ".pt":
-        obj = torch.load(path, map_location="cpu")
-        ids = obj["input_ids"] if isinstance(obj, dict) else obj
+        # weights_only: a user's file is data, never code (a pickle payload in it is refused, not run)
+        with reading(source, "`--data` file", "a .pt must hold a [N, T] id tensor or {'input_ids', 'attention_mask'}"):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        ids = obj.get("input_ids") if isinstance(obj, dict) else obj
         mask = obj.get("attention_mask") if isinstance(obj, dict) else None
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.is_floating_point() or (
+                mask is not None and (not isinstance(mask, torch.Tensor) or mask.shape != ids.shape)):
+            raise UserError(f"`--data` {source!r} must hold a [N, T] integer id tensor or {{'input_ids', "
+                            f"'attention_mask'}} of one shape, got {type(obj).__name__}")
         for i in range(ids.shape[0]):
             row = ids[i] if mask is None else ids[i][mask[i].bool()]
             yield {"input_ids": row.tolist()}
     elif suffix == ".npy":
         import numpy as np
 
-        arr = np.load(path)
+        with reading(source, "`--data` file", "a .npy must hold an integer id array (np.save)"):
+            arr = np.load(path, allow_pickle=False)
+        if arr.ndim == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise UserError(f"`--data` {source!r} must hold integer token ids, got a {arr.ndim}-D {arr.dtype} array")
         for row in arr.reshape(-1, arr.shape[-1]) if arr.ndim > 1 else [arr]:
             yield {"input_ids": [int(x) for x in row]}
     elif suffix in (".txt", ".md", ""):
+        if path.is_dir():
+            raise UserError(f"`--data` {source!r} is a folder: give a .txt/.jsonl/.json/.pt/.npy file or hf:NAME")
         yield {"text": path.read_text(encoding="utf-8", errors="replace")}
     else:
         raise ValueError(f"`--data` {source!r}: unsupported extension {suffix!r}; allowed .txt .md .jsonl .json .pt .npy")
@@ -89,7 +108,8 @@ def load_calibration(source: str = DEFAULT_DATASET, tokenizer=None, seq_len: int
             if eos is not None:
                 stream.append(eos)
         else:
-            raise ValueError(f"calibration record has neither 'text' nor 'input_ids': keys {sorted(rec)}")
+            raise UserError(f"`--data` {source!r}: a calibration record has neither 'text' nor 'input_ids' "
+                            f"(keys {sorted(rec)})")
     windows = [stream[i : i + seq_len] for i in range(0, len(stream) - seq_len + 1, seq_len)]
     seqs = [s for s in pretok + windows if len(s) >= 2]
     if not seqs:

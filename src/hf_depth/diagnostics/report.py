@@ -11,7 +11,7 @@ import os
 import pathlib
 import time
 
-from . import angular, causal, cost, logit_lens, paths, permutation, plots, pruning
+from . import angular, causal, conventions, cost, logit_lens, paths, permutation, plots, pruning
 from .adapters import adapter_for
 from .common import as_batches, late_start, mean_loss, nan_to_none, num_layers
 
@@ -19,8 +19,13 @@ MEASUREMENTS = ("angular", "causal", "pruning", "permutation", "logit_lens", "pa
 
 
 def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: int = 4096, measure_cost: bool = True,
-                    measure_seq_len: int = 128, repeats: int = 3, show_progress: bool = True) -> dict:
-    """Every requested measurement; tensors are returned as nested lists (NaN -> None)."""
+                    measure_seq_len: int = 128, repeats: int = 3, show_progress: bool = True,
+                   convention: str = conventions.DEFAULT) -> dict:
+    """Every requested measurement; tensors are returned as nested lists (NaN -> None).
+
+    ``convention`` (``"depthbench"``, default, or ``"branch"``): what skipping / swapping a layer and the measured
+    state mean (``hf_depth.diagnostics.conventions``); ``depthbench`` gives numbers comparable with the paper."""
+    conventions.check(convention)
     unknown = set(measurements) - set(MEASUREMENTS)
     if unknown:
         raise ValueError(f"`measurements` must be a subset of {list(MEASUREMENTS)}, got unknown {sorted(unknown)}")
@@ -39,6 +44,7 @@ def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: in
         "data": {"batches": len(batches), "sequences": sum(b.input_ids.shape[0] for b in batches),
                  "tokens": int(sum(int(b.attention_mask.sum()) for b in batches))},
         "late_start": late_start(L),
+        "convention": convention,
         "timing_s": {},
     }
     t0 = time.perf_counter()
@@ -51,26 +57,29 @@ def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: in
 
     base_loss = None
     if "angular" in measurements:
-        D = timed("angular", lambda: angular.angular_distance(model, batches, show_progress))
+        D = timed("angular", lambda: angular.angular_distance(model, batches, show_progress, convention))
         rep["angular"] = {"matrix": nan_to_none(D), **angular.summary(D)}
     skip_loss = None
     if "causal" in measurements:
-        c = timed("causal", lambda: causal.causal_scores(model, batches, show_progress))
+        c = timed("causal", lambda: causal.causal_scores(model, batches, show_progress, convention))
         base_loss, skip_loss = c["loss"], c["skip_loss"]
         rep["causal"] = {"scores": nan_to_none(c["scores"]), "threshold": causal.THRESHOLD,
-                         "R_causal": causal.r_causal(c["scores"])}
+                         "R_causal": causal.r_causal(c["scores"]),
+                         **{k: c[k] for k in ("global_causal_score", "avg_effect_per_layer") if k in c}}
     if base_loss is None and ({"pruning", "permutation"} & set(measurements)):
         base_loss = timed("loss", lambda: mean_loss(model, batches))
     if base_loss is not None:
         rep["loss"] = base_loss
     if "pruning" in measurements:
         rep["pruning"] = timed("pruning", lambda: pruning.pruning_curve(
-            model, batches, base_loss, skip_loss, show_progress))
+            model, batches, base_loss, skip_loss, show_progress, convention))
     if "permutation" in measurements:
         p = timed("permutation", lambda: permutation.permutation_scores(
-            model, batches, base_loss, show_progress=show_progress))
+            model, batches, base_loss, show_progress=show_progress, convention=convention))
         rep["permutation"] = {"scores": nan_to_none(p["scores"]), "threshold": permutation.THRESHOLD,
-                              "R_perm": permutation.r_perm(p["scores"])}
+                              "R_perm": permutation.r_perm(p["scores"]),
+                              **{k: p[k] for k in ("global_score_mean", "global_score_normalized",
+                                                   "global_score_weighted", "layer_avg_scores")}}
     if "logit_lens" in measurements:
         rep["logit_lens"] = {"kl": timed("logit_lens", lambda: logit_lens.logit_lens_kl(model, batches, show_progress))}
     if "paths" in measurements:
@@ -86,12 +95,18 @@ def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: in
 def headline(report: dict) -> dict:
     """R_causal, R_perm, the pruning curve (and the loss) for the model card; only what was measured."""
     out = {}
+    if "convention" in report:
+        out["convention"] = report["convention"]
     if "loss" in report:
         out["loss"] = report["loss"]
     if "causal" in report:
         out["R_causal"] = report["causal"]["R_causal"]
+        if "global_causal_score" in report["causal"]:
+            out["global_causal_score"] = report["causal"]["global_causal_score"]
     if "permutation" in report:
         out["R_perm"] = report["permutation"]["R_perm"]
+        if "global_score_weighted" in report["permutation"]:
+            out["global_permutation_weighted"] = report["permutation"]["global_score_weighted"]
     if "pruning" in report:
         out["pruning_delta"] = report["pruning"]["delta"]
     if report.get("paths"):
@@ -117,11 +132,12 @@ def markdown(report: dict, images: dict[str, str]) -> str:
     m = report["model"]
     lines = [f"# Depth diagnostics: {m['class']} ({m['design']}, L={m['num_hidden_layers']}, d={m['hidden_size']})", ""]
     d = report["data"]
-    lines += [f"Calibration: {d['sequences']} sequences, {d['tokens']} tokens. Late layers: l >= {report['late_start']}.",
-              ""]
+    lines += [f"Calibration: {d['sequences']} sequences, {d['tokens']} tokens. Late layers: l >= {report['late_start']}."
+              f" Convention: {report.get('convention', 'branch')}.", ""]
     h = headline(report)
     lines += ["| number | value |", "|---|---|"]
-    for k in ("loss", "R_causal", "R_perm", "erank_final", "dead_layers"):
+    for k in ("loss", "R_causal", "R_perm", "global_causal_score", "global_permutation_weighted", "erank_final",
+              "dead_layers"):
         if k in h:
             lines.append(f"| {k} | {_fmt(h[k])} |")
     if "cost" in report:

@@ -52,14 +52,21 @@ def evaluate_loss(model, token_batches: Iterable, device=None) -> dict:
 
 
 def read_documents(path: str | Path, text_field: str = "text") -> list[str]:
+    from ..errors import UserError
+
     path = Path(path)
+    if not path.is_file():
+        raise UserError(f"`--data` {str(path)!r} does not exist (or is not a file): give a .jsonl or .txt file")
     if path.suffix == ".jsonl":
         docs = []
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for i, line in enumerate(f):
                 if line.strip():
-                    row = json.loads(line)
-                    if text_field not in row:
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        raise UserError(f"`--data` {str(path)!r} line {i + 1} is not JSON ({e})") from None
+                    if not isinstance(row, dict) or text_field not in row:
                         raise ValueError(f"`--text-field` {text_field!r} missing in line {i + 1} of {path}")
                     docs.append(row[text_field])
         return docs
@@ -108,15 +115,22 @@ def main(argv: list[str] | None = None) -> int:
 
     import hf_depth  # noqa: F401
 
+    from ..errors import UserError, reading, reading_model
     from .cli import resolve_model, resolve_tokenizer
 
+    documents = read_documents(args.data, args.text_field)
     model_path = resolve_model(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).to(device)
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or resolve_tokenizer(model_path, args.model))
+    with reading_model(model_path):
+        model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=True).to(device)
+    tok_path = args.tokenizer or resolve_tokenizer(model_path, args.model)
+    with reading(tok_path, "the tokenizer", "give --tokenizer, or save one next to the model"):
+        tok = AutoTokenizer.from_pretrained(tok_path)
     seq_len = min(args.seq_len, getattr(model.config, "max_position_embeddings", args.seq_len))
-    batches = token_blocks(tok, read_documents(args.data, args.text_field), seq_len, args.batch_size,
-                           args.max_tokens)
+    batches = token_blocks(tok, documents, seq_len, args.batch_size, args.max_tokens)
+    if not batches:  # a loss over no token is no result: never print or write one
+        raise UserError(f"`--data` {str(args.data)!r} holds no text to score (no block of >= 2 tokens): "
+                        "give a file with documents")
     result = {"model": args.model, "data": str(args.data), "seq_len": seq_len, **evaluate_loss(model, batches)}
     print(f"val loss {result['loss']:.4f}  perplexity {result['perplexity']:.3f}  ({result['tokens']} tokens)")
     if args.output:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Iterable, Sequence
@@ -213,22 +214,35 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def humaneval_program(problem: dict, completion: str) -> str:
-    """Prompt + completion, then the official ``check(entry_point)`` test."""
-    return (f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n")
+    """Prompt + completion (the candidate), then the tests: the official ``check`` and ``check(entry_point)``."""
+    from .sandbox import join_program
+
+    return join_program(f"{problem['prompt']}{completion}", f"{problem['test']}\n\ncheck({problem['entry_point']})")
 
 
 def mbpp_program(problem: dict, code: str) -> str:
-    """The candidate, then ``test_setup_code`` (in MBPP it builds inputs from the solution's classes, e.g.
-    ``Node`` in tasks 367/927), then the official ``test_list`` asserts."""
+    """The candidate, then the tests: ``test_setup_code`` (in MBPP it builds inputs from the solution's classes,
+    e.g. ``Node`` in tasks 367/927), then the official ``test_list`` asserts."""
+    from .sandbox import join_program
+
     setup = problem.get("test_setup_code") or ""
-    tests = "\n".join(problem["test_list"])
-    return f"{code}\n{setup}\n\n{tests}\n"
+    return join_program(code, f"{setup}\n\n" + "\n".join(problem["test_list"]))
+
+
+_LOGGED_CONTAINMENT = []
 
 
 def execute(programs: Sequence[str], *, timeout: float = 10.0, allow: bool | None = None,
             workers: int | None = None) -> list[bool]:
-    """Run programs in the sandbox (in parallel); True where one exited 0 within its limits."""
-    from .sandbox import Limits, run_many
+    """Run programs in the sandbox (in parallel); True where the harness proved that one ran to its end (the
+    tests included) without an exception, within its limits. Logs once what the sandbox contains."""
+    from .sandbox import Limits, containment, run_many
 
-    return [r.passed for r in run_many(programs, Limits(timeout=timeout), allow=allow, workers=workers)]
+    results = run_many(programs, Limits(timeout=timeout), allow=allow, workers=workers)
+    if results and not _LOGGED_CONTAINMENT:
+        _LOGGED_CONTAINMENT.append(containment(results[0].isolation))
+        missing = _LOGGED_CONTAINMENT[0]["not_contained"]
+        log = logging.getLogger(__name__)
+        (log.warning if missing else log.info)("code sandbox: not contained: %s", "; ".join(missing) or "nothing")
+    return [r.passed for r in results]
 

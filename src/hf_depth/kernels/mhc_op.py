@@ -18,17 +18,22 @@ from .sinkhorn_op import sinkhorn
 
 
 def mhc_coefficients(
-    H: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int = 20, eps: float = 1e-6
+    H: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int = 20, eps: float = 1e-6,
+    tanh: bool = False, columns_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(H_pre = sigmoid [..., n], H_post = 2 sigmoid [..., n], H_res = Sinkhorn [..., n, n]), fp32."""
     n = H.shape[-2]
     x = H.flatten(-2).float()
     inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     proj = (x @ phi.float()) * inv_r
+    if tanh:  # DepthBench's torch backend: gate * tanh(projection) + bias
+        proj = torch.tanh(proj)
     a, b = alpha.float(), bias.float()
     pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
     post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
     res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    if columns_first:  # Sinkhorn starting with the column step: the row-first one of the transpose, transposed
+        return pre, post, sinkhorn(res_logits.transpose(-1, -2), iters).transpose(-1, -2)
     return pre, post, sinkhorn(res_logits, iters)
 
 

@@ -12,7 +12,13 @@ torch/transformers and siblings of this folder.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
+import sys
+import types
+import typing
+import warnings
 
 from transformers import PretrainedConfig
 
@@ -20,6 +26,19 @@ SCALE_VECTORS = ("standard", "none", "HG", "AP", "DP", "DNP", "OR", "ER")
 """Components of ``scale_vector``; combine with ``+`` (e.g. ``"HG+DNP+OR"``). See ``norms.py``."""
 
 SCALE_VECTOR_PRESETS = {"best": "HG+DNP+OR"}
+
+ATTENTION_BACKENDS: dict[str, tuple[str, ...]] = {"moda": ("eager", "sdpa")}
+"""Attention implementations a design's math supports, by design name (absent: whatever transformers allows).
+MoDA's softmax spans the sequence K/V and the same-token depth K/V, which needs an explicit 4-D mask."""
+
+UPPER_BOUNDS: dict[str, tuple[str, typing.Callable]] = {
+    "attnres_block_size": ("2 * num_hidden_layers (the number of sublayers)", lambda c: 2 * c.num_hidden_layers),
+}
+"""Cross-field upper bounds ``{field: (description, bound(config))}``, checked for every design holding the field."""
+
+DEPTHBENCH_EOS = 50279
+"""The default ``eos_token_id`` (GPT-NeoX ``<|endoftext|>``): the one id exempt from the inside-the-vocabulary check,
+as tiny stand-ins of the DepthBench tokenizer (tests, ``olmo_core.TOKENIZER``) keep it with a small vocabulary."""
 
 
 def ceil16(x: float) -> int:
@@ -30,6 +49,82 @@ def ceil16(x: float) -> int:
 def default_intermediate_size(hidden_size: int) -> int:
     """SwiGLU width d_ff = ceil16(8d/3)."""
     return ceil16(8 * hidden_size / 3)
+
+
+def _describe(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a finite number", bool: "True or False", str: "a string",
+            type(None): "None"}.get(tp, "a list of integers" if origin is list else getattr(tp, "__name__", str(tp)))
+
+
+def _type_ok(value, tp) -> bool | None:
+    """Whether ``value`` fits the annotation ``tp``; ``None`` when the annotation is not checked here."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        results = [_type_ok(value, a) for a in typing.get_args(tp)]
+        return True if any(results) else (None if None in results else False)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:  # bool is an int to Python, not a number here; NaN and inf are never valid
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is str:
+        return isinstance(value, str)
+    if origin is list:
+        (arg,) = typing.get_args(tp) or (None,)
+        return isinstance(value, (list, tuple)) and (arg is None or all(_type_ok(v, arg) for v in value))
+    return None
+
+
+@functools.cache
+def depth_fields(cls) -> dict:
+    """``{name: annotation}`` of the fields declared by ``DepthConfig`` and its subclasses up to ``cls``
+    (not transformers' own): the table every value is type-checked against, new fields included."""
+    fields = {}
+    for klass in reversed(cls.__mro__):
+        if isinstance(klass, type) and issubclass(klass, DepthConfig):
+            module = vars(sys.modules[klass.__module__])
+            for name, ann in klass.__dict__.get("__annotations__", {}).items():
+                if not name.startswith("_"):
+                    try:
+                        fields[name] = eval(ann, module) if isinstance(ann, str) else ann  # noqa: S307 (own source)
+                    except Exception:  # an annotation we cannot resolve is not type-checked
+                        fields[name] = typing.Any
+    return fields
+
+
+@functools.cache
+def transformers_names() -> frozenset:
+    """Attribute and keyword names transformers itself gives every config (never flagged as typos)."""
+    import dataclasses
+
+    names = set(dir(PretrainedConfig)) | {f.name for f in dataclasses.fields(PretrainedConfig)}
+    names |= {"torch_dtype", "num_labels", "name_or_path", "attn_implementation", "experts_implementation",
+              "output_attentions", "per_layer_config", "rope_scaling", "rope_parameters", "model_type",
+              "transformers_version", "auto_map", "architectures", "layer_types", "use_return_dict"}
+    try:
+        from transformers import GenerationConfig
+
+        names |= set(GenerationConfig._get_default_generation_params())
+    except (ImportError, AttributeError):
+        pass
+    return frozenset(names)
+
+
+def _all_design_fields() -> dict[str, str]:
+    """Field name -> model_type of a design that declares it (every design loaded so far)."""
+    out, todo = {}, [DepthConfig]
+    while todo:
+        klass = todo.pop()
+        todo += klass.__subclasses__()
+        for name in klass.__dict__.get("__annotations__", {}):
+            out.setdefault(name, getattr(klass, "design", klass.__name__))
+    return out
 
 
 def _positive_int(name: str, value) -> None:
@@ -123,6 +218,7 @@ class DepthConfig(PretrainedConfig):
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
+        self.warn_unknown_kwargs(kwargs)
         if self.intermediate_size is None and isinstance(self.hidden_size, int):
             self.intermediate_size = default_intermediate_size(self.hidden_size)
         if self.num_key_value_heads is None:
@@ -137,8 +233,36 @@ class DepthConfig(PretrainedConfig):
     def validate_architecture(self):  # called by transformers' strict validation too
         self.validate_depth_config()
 
+    @classmethod
+    def warn_unknown_kwargs(cls, kwargs: dict) -> None:
+        """Warn about a keyword that is no field of this design but looks like one (``hiden_size``) or belongs to
+        another design; transformers' own keywords (``attn_implementation``, ``torch_dtype``...) pass silently."""
+        ours = depth_fields(cls)
+        known = transformers_names()
+        others = _all_design_fields()
+        for key in kwargs:
+            if key.startswith("_") or key in ours or key in known:
+                continue
+            if key in others:
+                warnings.warn(f"{cls.__name__}: `{key}` is a field of design {others[key]!r}, not of {cls.design!r}: "
+                              "it is kept as an attribute but has no effect", UserWarning, stacklevel=4)
+                continue
+            close = difflib.get_close_matches(key, list(ours), n=1, cutoff=0.75)
+            if close:
+                warnings.warn(f"{cls.__name__}: unknown config field `{key}` (kept as an attribute, it has no effect): "
+                              f"did you mean `{close[0]}`?", UserWarning, stacklevel=4)
+
+    def validate_types(self) -> None:
+        """Every field declared by hf_depth holds a value of its annotated type: integers are not bools, numbers
+        are finite (NaN and inf are rejected everywhere), strings are strings, flags are True/False."""
+        for name, tp in depth_fields(type(self)).items():
+            value = getattr(self, name, None)
+            if _type_ok(value, tp) is False:
+                raise ValueError(f"`{name}` must be {_describe(tp)}, got {value!r}")
+
     def validate_depth_config(self) -> None:
         """Check every shared field, then the design's own (``validate_design``)."""
+        self.validate_types()
         for name in (
             "vocab_size",
             "hidden_size",
@@ -149,7 +273,7 @@ class DepthConfig(PretrainedConfig):
             "max_position_embeddings",
         ):
             _positive_int(name, getattr(self, name))
-        if self.hidden_size % self.num_attention_heads != 0 and self.head_dim is None:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads}), or give `head_dim` explicitly"
@@ -176,11 +300,49 @@ class DepthConfig(PretrainedConfig):
         if self.tie_word_embeddings:
             raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings (DepthBench)")
         parse_scale_vector(self.scale_vector)
-        for name in ("pad_token_id", "bos_token_id"):
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v < self.vocab_size):
-                raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={self.vocab_size}), got {v!r}")
+            ids = v if isinstance(v, (list, tuple)) and name == "eos_token_id" else [v]
+            for i in ids:
+                if name == "eos_token_id" and i == DEPTHBENCH_EOS and not isinstance(i, bool):
+                    continue  # the DepthBench tokenizer's id, kept by tiny-vocabulary stand-ins (olmo_core.TOKENIZER)
+                if i is not None and (not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size):
+                    raise ValueError(f"`{name}` must be None or an integer in [0, vocab_size={self.vocab_size}) "
+                                     f"(inside the vocabulary), got {v!r}")
+        for name, (what, bound) in UPPER_BOUNDS.items():
+            v = getattr(self, name, None)
+            if name in depth_fields(type(self)) and isinstance(v, (int, float)) and v > bound(self):
+                raise ValueError(f"`{name}` must be at most {what} = {bound(self)}, got {v!r}")
+        self.validate_attention_backend(getattr(self, "_attn_implementation_internal", None))
         self.validate_design()
+
+    def validate_attention_backend(self, value) -> None:
+        """Refuse an ``attn_implementation`` the design's attention cannot run (see ``ATTENTION_BACKENDS``)."""
+        allowed = ATTENTION_BACKENDS.get(self.design)
+        impl = value.get("", None) if isinstance(value, dict) else value
+        if allowed is not None and impl is not None and impl not in allowed:
+            raise ValueError(f"`attn_implementation` {impl!r} is not supported by design {self.design!r}: "
+                             f"allowed {list(allowed)}")
+
+    @property
+    def _attn_implementation(self):
+        return self._attn_implementation_internal
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value):
+        # from_pretrained(..., attn_implementation=...) lands here: refuse what the design cannot run, up front
+        self.validate_attention_backend(value)
+        PretrainedConfig._attn_implementation.fset(self, value)
+
+    def to_dict(self) -> dict:
+        """As transformers', except that a ``head_dim`` equal to hidden_size // num_attention_heads is saved as
+        ``None``: it is recomputed on load, so a ``config.json`` edited to a new width cannot keep a stale one."""
+        out = super().to_dict()
+        if (isinstance(self.hidden_size, int) and isinstance(self.num_attention_heads, int)
+                and self.num_attention_heads > 0 and self.head_dim == self.hidden_size // self.num_attention_heads
+                and self.hidden_size % self.num_attention_heads == 0):
+            out["head_dim"] = None
+        return out
 
     def validate_design(self) -> None:
         """Hook for a design's own fields; raise ValueError naming the field and the allowed values."""

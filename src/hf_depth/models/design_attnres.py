@@ -15,6 +15,11 @@ Block boundaries (DepthBench rule, sizes counted in sublayers): sublayer s is a 
 at a boundary (s > 0) the running partial sum is committed as a new source before sublayer s reads.
 S = 1 commits every output on its own: Block AttnRes with S = 1 is Full AttnRes.
 
+``attnres_norm_eps`` (default ``None`` = ``rms_norm_eps``) is the eps of every aggregation's key norm N̄ and of
+the norm N_l / N applied to an aggregation's output (sublayer 0 reads the embedding through its plain input norm).
+DepthBench builds these norms without an eps, so OLMo-core's 1e-5 applies to both (``kernels/attnres.py``:
+one ``rms_eps`` for keys and fused output norm); ``hf-depth convert-olmo-core`` sets 1e-5 for its checkpoints.
+
 The residual state is a flat tuple of source tensors (each [B, T, d]); its layout at each sublayer is static.
 Mixing is within a token, so incremental decoding needs nothing beyond the attention KV cache.
 Kimi Team, "Attention Residuals" (arXiv 2603.15031).
@@ -29,8 +34,8 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice
-from .dispatch import depth_softmax
-from .norms import make_norm, norm_param_count
+from .dispatch import depth_softmax, rms_norm
+from .norms import RMSNorm, make_norm, norm_param_count
 from .residual import Design, ResidualStream, SublayerConnection
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
@@ -38,10 +43,27 @@ ATTNRES_SCHEDULES = ("fixed", "depth_aware")
 
 class AttnResConfig(DepthConfig):
     """Full AttnRes decoder: every sublayer attends (softmax over depth) to the embedding and every earlier
-    sublayer output. No fields beyond :class:`DepthConfig`; see ``BlockAttnResConfig`` for the block variant."""
+    sublayer output; see ``BlockAttnResConfig`` for the block variant.
+
+    Args:
+        attnres_norm_eps: eps of the aggregation key norms and of the norm of each aggregation's output;
+            ``None`` (default) uses ``rms_norm_eps``. DepthBench checkpoints: 1e-5 (OLMo-core's default).
+    """
 
     model_type = "hf_depth_attnres"
     design = "attnres"
+
+    attnres_norm_eps: float | None = None
+
+    def validate_design(self):
+        v = self.attnres_norm_eps
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v < 1):
+            raise ValueError(f"`attnres_norm_eps` must be None (= rms_norm_eps) or a number in (0, 1), got {v!r}")
+
+    @property
+    def attnres_eps(self) -> float:
+        """The eps of the aggregation norms (``attnres_norm_eps``, else ``rms_norm_eps``)."""
+        return self.rms_norm_eps if self.attnres_norm_eps is None else self.attnres_norm_eps
 
     @property
     def attnres_block_sublayers(self) -> int:
@@ -77,6 +99,7 @@ class BlockAttnResConfig(AttnResConfig):
     attnres_reference_depth: int = 16
 
     def validate_design(self):
+        super().validate_design()
         v = self.attnres_block_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ValueError(f"`attnres_block_size` must be None (from the schedule) or a positive integer, got {v!r}")
@@ -116,13 +139,14 @@ class DepthAggregation(nn.Module):
         self.query = nn.Parameter(torch.zeros(config.hidden_size))
         # an Input-Norm (its gamma folds into the query) with one consumer: it keeps its gamma under HG/AP
         self.key_norm = make_norm(config, role="input", final=True)
+        self.eps = config.attnres_eps
         self._last_weights: torch.Tensor | None = None
 
     def reset_design_parameters(self):
         init.zeros_(self.query)  # the paper's init; survives every sweep (init.* skips loaded weights)
 
     def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        out, p = depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.key_norm.eps)
+        out, p = depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.eps)
         self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
         return out
 
@@ -143,7 +167,7 @@ class AttnResConnection(SublayerConnection):
     def read(self, state, norm):
         if self.aggregate is None:
             return norm(state[0])
-        return norm(self.aggregate(state))
+        return aggregate_norm(norm, self.aggregate(state), self.aggregate.eps)
 
     def write(self, state, out):
         # a sublayer that starts a block opens a new partial sum (the previous one stays behind as a completed
@@ -151,6 +175,12 @@ class AttnResConnection(SublayerConnection):
         if self.sublayer_idx % self.block_size != 0:
             return (*state[:-1], state[-1] + out)
         return (*state, out)
+
+    def depth_mixer(self):
+        return self.aggregate
+
+    def boundary_mixer(self):
+        return self.aggregate if self.sublayer_idx % self.block_size == 0 else None
 
     def path_weights(self):
         """``{"weights": [K], "members": [K, 2L + 1]}`` (token-mean softmax of the last forward; which base
@@ -177,12 +207,27 @@ class AttnResStream(ResidualStream):
     def collapse(self, state):
         return torch.stack(state).sum(0)
 
+    def depth_state(self, state):
+        return state[-1]  # DepthBench's block output: the running partial sum (the last source)
+
+    def depth_mixer(self):
+        return self.aggregate
+
     def final(self, state, norm):
-        return norm(self.aggregate(state))
+        return aggregate_norm(norm, self.aggregate(state), self.aggregate.eps)
 
     def path_weights(self):
         w = self.aggregate.path_weights()
         return None if w is None else {**w, "members": source_members(self.total, self.block_size, self.total)}
+
+
+def aggregate_norm(norm: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``norm(x)`` with the aggregation eps (``attnres_norm_eps``) in place of the norm's own."""
+    if getattr(norm, "eps", eps) == eps:
+        return norm(x)
+    if not isinstance(norm, RMSNorm):
+        raise ValueError(f"`attnres_norm_eps` needs RMSNorm input norms, got {type(norm).__name__}")
+    return rms_norm(x, norm.gamma(), eps)
 
 
 def source_members(s: int, block_size: int, total: int) -> torch.Tensor:

@@ -5,7 +5,8 @@
           w1, w2, w3; torchscale to fc1, fc2, v, o). q and k are untouched.
 
 The norm is a LayerNorm by default, as in DeepNet and DepthBench; ``deepnorm_norm="rms"`` selects RMSNorm.
-Extra parameters: the LayerNorm biases (d per sublayer). DepthBench's swept LR: 1e-3.
+Extra parameters: the LayerNorm biases (d per sublayer), none with ``deepnorm_norm_bias=False`` (DepthBench's
+LayerNorm has no bias; ``convert-olmo-core`` sets it for its checkpoints). DepthBench's swept LR: 1e-3.
 """
 
 from .configuration_depth import DepthConfig, _choice
@@ -25,6 +26,8 @@ class DeepNormConfig(DepthConfig):
         deepnorm_final_norm: kind of the final norm before the LM head, ``"layer"`` or ``"rms"``; ``None`` (default)
             means ``deepnorm_norm``. DepthBench's DeepNorm switches only the block norms to LayerNorm: its final
             norm is RMSNorm (``"rms"``, what ``convert-olmo-core`` sets for its checkpoints).
+        deepnorm_norm_bias: whether the LayerNorms carry a bias (default ``True``, DeepNet); ``False`` follows
+            DepthBench, whose LayerNorm is bias-free.
     """
 
     model_type = "hf_depth_deepnorm"
@@ -34,8 +37,11 @@ class DeepNormConfig(DepthConfig):
     deepnorm_alpha: float | None = None
     deepnorm_beta: float | None = None
     deepnorm_final_norm: str | None = None
+    deepnorm_norm_bias: bool = True
 
     def validate_design(self):
+        if not isinstance(self.deepnorm_norm_bias, bool):
+            raise ValueError(f"`deepnorm_norm_bias` must be true or false, got {self.deepnorm_norm_bias!r}")
         _choice("deepnorm_norm", self.deepnorm_norm, ("layer", "rms"))
         _choice("deepnorm_final_norm", self.deepnorm_final_norm, (None, "layer", "rms"))
         for name in ("deepnorm_alpha", "deepnorm_beta"):
@@ -46,6 +52,10 @@ class DeepNormConfig(DepthConfig):
     @property
     def norm_kind(self) -> str:
         return self.deepnorm_norm
+
+    @property
+    def norm_bias(self) -> bool:
+        return self.deepnorm_norm_bias
 
     @property
     def final_norm_kind(self) -> str:

@@ -20,6 +20,10 @@ function with the same branch weights, up to the final reduce:
 
 ``collapse`` (``output_hidden_states`` and diagnostics) is the stream mean, one [B, T, d] per layer boundary.
 ``hc_dynamic=False`` gives static HC (SHC): no W_a, w_b, s_a, s_b.
+``hc_stream_mixing=False`` drops the stream-mixing part of the width weights, H'_t = H_t + beta_t y (A[:, 1:]
+is kept as a parameter but read as I): the forward of an earlier DepthBench ``hyper_connections.py``
+(``keyu-wang-2002/DepthBench`` @ 5152cab, ``output = residuals + beta y``), set by ``hf-depth convert-olmo-core``
+for such checkpoints. New models keep the paper's mixing (default ``True``).
 
 Extra parameters per sublayer: n(n+1) + n static, plus d(n+1) + d + 2 dynamic = d(n+2) + n^2 + 2n + 2
 (6d + 26 at n = 4). DepthBench LR 2e-3; static routing parameters are not weight-decayed: every routing
@@ -66,6 +70,8 @@ class HCConfig(DepthConfig):
             n x Pre-LN's at init) or ``"mean_then_norm"`` (final norm of the stream mean; Pre-LN at init).
         hc_scale_output_init: divide the init std of W_o and W_down by sqrt(n) (DepthBench default).
         hc_norm_eps: eps of the unweighted per-stream RMS normalization feeding the dynamic weights (1e-8).
+        hc_stream_mixing: ``True`` (default, the paper): H' = A_r^T H + beta y. ``False``: H' = H + beta y,
+            the earlier DepthBench version (A_r unused), for converted checkpoints of that version.
     """
 
     model_type = "hf_depth_hc"
@@ -78,6 +84,7 @@ class HCConfig(DepthConfig):
     hc_final_reduce: str = "sum_of_normed"
     hc_scale_output_init: bool = True
     hc_norm_eps: float = 1e-8
+    hc_stream_mixing: bool = True
 
     def validate_design(self):
         _positive_int("hc_streams", self.hc_streams)
@@ -87,6 +94,7 @@ class HCConfig(DepthConfig):
         _choice("hc_final_reduce", self.hc_final_reduce, FINAL_REDUCES)
         _flag("hc_scale_output_init", self.hc_scale_output_init)
         _eps("hc_norm_eps", self.hc_norm_eps)
+        _flag("hc_stream_mixing", self.hc_stream_mixing)
 
     # the names MultiStream / output_init_scale read (shared with mHC)
     @property
@@ -116,6 +124,9 @@ class MultiStream(ResidualStream):
 
     def collapse(self, state: torch.Tensor) -> torch.Tensor:
         return state.mean(-2)
+
+    def depth_state(self, state: torch.Tensor) -> torch.Tensor:
+        return state.flatten(-2)  # DepthBench: the n streams concatenated, [B, T, n d]
 
     def final(self, state: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         if self.reduce == "sum_of_normed":
@@ -177,8 +188,8 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
             x, mixed, write_weights, seen = self.route(state)
         self._pending = (mixed, write_weights)
         if not torch.compiler.is_compiling():
-            # last-seen token means (all positions, padding included), for diagnostics only
-            self._seen = {k: _token_mean(v.detach(), 2 if k == "res" else 1) for k, v in seen.items()}
+            # last-seen weights (per token [B, T, ...] where input-dependent), for diagnostics only
+            self._seen = {k: v.detach() for k, v in seen.items()}
         return x if norm is None else norm(x)
 
     def write(self, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -197,11 +208,16 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
 
         ``pre`` [n]: branch input x = sum_i pre_i H_i; ``res`` [n, n]: H'_t = sum_i res[t, i] H_i + post_t y;
         ``post`` [n]. Keys ``static_*`` are the input-independent parts (the weights at a zero dynamic term);
-        ``pre``/``res``/``post`` (present after a forward) are the token means of the last forward's weights.
+        ``pre``/``res``/``post`` (present after a forward) are the token means of the last forward's weights and
+        ``read``/``mix``/``write`` the same weights per token (``[B, T, ...]``; static where input-independent).
         """
         out = {f"static_{k}": v for k, v in self.static_weights().items()}
         if self._seen is not None:
-            out.update({k: v.float() for k, v in self._seen.items()})
+            out.update({k: _token_mean(v, 2 if k == "res" else 1).float() for k, v in self._seen.items()})
+            # the same weights per token, as the canonical transport (``diagnostics.paths``): products of mixing
+            # matrices are formed token by token (Figure 10's effective rank), not from token means
+            out.update({"read": self._seen["pre"].float(), "mix": self._seen["res"].float(),
+                        "write": self._seen["post"].float()})
         return out
 
     def parameter_roles(self) -> dict[str, str]:
@@ -230,6 +246,7 @@ class HCConnection(MultiStreamConnection):
         super().__init__(config, sublayer_idx)
         n, d = self.n, config.hidden_size
         self.dynamic, self.eps = config.hc_dynamic, config.hc_norm_eps
+        self.stream_mixing = config.hc_stream_mixing
         self.alpha_scale_init, self.beta_scale_init = config.hc_alpha_scale_init, config.hc_beta_scale_init
         self.static_alpha = nn.Parameter(torch.empty(n, n + 1))
         self.static_beta = nn.Parameter(torch.empty(n))
@@ -268,6 +285,9 @@ class HCConnection(MultiStreamConnection):
 
     def route(self, H):
         A, beta = self.coefficients(H)
+        if not self.stream_mixing:  # earlier DepthBench: the streams pass unmixed (A_r read as I, exactly H)
+            eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(*A.shape[:-1], self.n)
+            A = torch.cat([A[..., :1], eye], dim=-1)
         x, mixed = hc_width(H, A)
         return x, mixed, beta, {"pre": A[..., 0], "res": A[..., 1:].transpose(-1, -2), "post": beta}
 
@@ -276,10 +296,12 @@ class HCConnection(MultiStreamConnection):
 
     def static_weights(self):
         A = self.static_alpha.detach().float()
-        return {"pre": A[:, 0], "res": A[:, 1:].T, "post": self.static_beta.detach().float()}
+        res = A[:, 1:].T if self.stream_mixing else torch.eye(self.n, device=A.device)
+        return {"pre": A[:, 0], "res": res, "post": self.static_beta.detach().float()}
 
     def extra_repr(self) -> str:
-        return f"sublayer={self.sublayer_idx}, streams={self.n}, dynamic={self.dynamic}"
+        mixing = "" if self.stream_mixing else ", stream_mixing=False"
+        return f"sublayer={self.sublayer_idx}, streams={self.n}, dynamic={self.dynamic}{mixing}"
 
 
 def hc_extra_params(config: HCConfig) -> int:

@@ -182,12 +182,24 @@ def hires_extra_params(config) -> int:
     return config.num_boundaries * per_boundary + (D * d if config.hires_embed == "project" else 0)
 
 
+def hires_flops(config, T: int) -> dict:
+    """Extra FLOPs per sequence of T tokens over Pre-LN: at each boundary the write (d -> D) and read (D -> d)
+    matmuls and the D-wide outer add + PostNorm; the embedding projection (d -> D) with ``hires_embed="project"``."""
+    d, D = config.hidden_size, config.outer_size
+    matmul = config.num_boundaries * 2 * (2 * T * d * D)
+    if config.hires_embed == "project":
+        matmul += 2 * T * d * D
+    other = config.num_boundaries * T * (D + 4 * D)  # residual add, then the norm's ~4 ops per element
+    return {"matmul": matmul, "other": other}
+
+
 DESIGN = Design(
     "hires",
     HiResConfig,
     connection=HiResConnection,
     stream=HiResStream,
     extra_params=hires_extra_params,
+    extra={"flops": hires_flops},
     summary="X <- N_D(X + W Block_d(R X)): a D-wide PostNorm outer residual around blocks of k Pre-LN layers",
     paper="Hierarchical Residuals: A Minimalist Decoupling of Residual Width from Compute Width (HiRes, 2026)",
 )

@@ -9,6 +9,8 @@ in fp32. Extra parameters: (2L - 1) d post-norm scales (Output-Norms for IWD).
 """
 
 
+import torch
+
 from .configuration_depth import DepthConfig
 from .norms import make_norm, norm_param_count
 from .residual import Design, SublayerConnection
@@ -46,7 +48,8 @@ class KeelConnection(SublayerConnection):
     def write(self, state, out):
         if self.post_norm is None:
             return state + out
-        mixed = self.alpha * state.float() + out.float()  # fp32: the branch is ~1/alpha of the sum
+        acc = torch.promote_types(state.dtype, torch.float32)  # >= fp32: the branch is ~1/alpha of the sum
+        mixed = self.alpha * state.to(acc) + out.to(acc)
         return self.post_norm(mixed).to(state.dtype)
 
     def extra_repr(self):

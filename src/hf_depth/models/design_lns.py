@@ -20,6 +20,8 @@ class LNSConfig(DepthConfig):
 
 
 class LNSConnection(SublayerConnection):
+    position_scalars = ("scale",)  # DepthBench's block swap moves ``ln_scale`` with the weights
+
     def __init__(self, config, sublayer_idx):
         super().__init__(config, sublayer_idx)
         self.scale = 1.0 / math.sqrt(sublayer_idx // 2 + 1)

@@ -9,7 +9,9 @@ n streams H in R^{n x d} per token; for every sublayer s, with x~ = vec(H) in R^
     H'     = H_res H + H_post^T F_s(N_s(H_pre H))
 
 phi in R^{nd x (n^2 + 2n)} (split order [pre | post | res], h_res reshaped row-major, H_res applied from the
-left), three gates a (init 0.01), b in R^{n^2 + 2n}. No tanh. The routing (coefficients, Sinkhorn, mixing)
+left), three gates a (init 0.01), b in R^{n^2 + 2n}. No tanh (``mhc_dynamic_tanh=True``: a tanh(x~ phi / r) + b, the
+forward of DepthBench's pure-torch ``mhc`` backend, ``nn/hyper_connections.py`` @ 8cc2fd7, set by
+``hf-depth convert-olmo-core`` for its checkpoints). The routing (coefficients, Sinkhorn, mixing)
 runs with autocast disabled: coefficients and Sinkhorn in fp32, mixing in the state's dtype.
 
 Initialization, ``mhc_init`` (the references disagree, ARCHITECTURES.md 3.7):
@@ -40,6 +42,7 @@ from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
 from .residual import Design
 
 MHC_INITS = ("uniform", "identity")
+MHC_SINKHORN_ORDERS = ("rows_first", "columns_first")
 
 
 class MHCConfig(DepthConfig):
@@ -57,6 +60,12 @@ class MHCConfig(DepthConfig):
         mhc_final_reduce: ``"mean_then_norm"`` (default, DepthBench liger_mhc) or ``"sum_of_normed"``.
         mhc_scale_output_init: divide the init std of W_o and W_down by sqrt(n) (DepthBench default).
         mhc_norm_eps: eps of the RMS r of the flattened streams (1e-6, DepthBench liger_rms_eps).
+        mhc_dynamic_tanh: ``False`` (default, the paper and Liger): gate * projection + bias. ``True``: gate *
+            tanh(projection) + bias, DepthBench's pure-torch ``mhc`` backend (converted checkpoints).
+        mhc_sinkhorn_order: ``"rows_first"`` (default: each iteration normalizes rows, then columns) or
+            ``"columns_first"``. DepthBench's torch backends apply R[s, t] from the right; hf_depth stores R^T, and
+            the transpose of a rows-first Sinkhorn is a columns-first one: set for converted ``mhc`` /
+            ``mhc_static`` checkpoints, it makes H_res equal DepthBench's exactly, 20-iteration residual included.
     """
 
     model_type = "hf_depth_mhc"
@@ -71,6 +80,8 @@ class MHCConfig(DepthConfig):
     mhc_final_reduce: str = "mean_then_norm"
     mhc_scale_output_init: bool = True
     mhc_norm_eps: float = 1e-6
+    mhc_dynamic_tanh: bool = False
+    mhc_sinkhorn_order: str = "rows_first"
 
     def validate_design(self):
         _positive_int("mhc_streams", self.mhc_streams)
@@ -82,6 +93,8 @@ class MHCConfig(DepthConfig):
         _choice("mhc_final_reduce", self.mhc_final_reduce, FINAL_REDUCES)
         _flag("mhc_scale_output_init", self.mhc_scale_output_init)
         _eps("mhc_norm_eps", self.mhc_norm_eps)
+        _flag("mhc_dynamic_tanh", self.mhc_dynamic_tanh)
+        _choice("mhc_sinkhorn_order", self.mhc_sinkhorn_order, MHC_SINKHORN_ORDERS)
 
     @property
     def num_streams(self) -> int:
@@ -107,6 +120,7 @@ class MHCConnection(MultiStreamConnection):
         super().__init__(config, sublayer_idx)
         n, d = self.n, config.hidden_size
         self.iters, self.eps = config.mhc_sinkhorn_iters, config.mhc_norm_eps
+        self.tanh, self.columns_first = config.mhc_dynamic_tanh, config.mhc_sinkhorn_order == "columns_first"
         self.init_kind, self.gate_init = config.mhc_init, config.mhc_gate_init
         self.phi_std, self.identity_logit = config.mhc_phi_init_std, config.mhc_identity_logit
         self.dynamic_phi = nn.Parameter(torch.empty(n * d, n * n + 2 * n))
@@ -136,7 +150,8 @@ class MHCConnection(MultiStreamConnection):
 
     def coefficients(self, H: torch.Tensor):
         """(H_pre [..., n], H_post [..., n], H_res [..., n, n]) in fp32."""
-        return mhc_coefficients(H, self.dynamic_phi, self.alpha_scale, self.static_bias, self.iters, self.eps)
+        return mhc_coefficients(H, self.dynamic_phi, self.alpha_scale, self.static_bias, self.iters, self.eps,
+                                 tanh=self.tanh, columns_first=self.columns_first)
 
     def route(self, H):
         pre, post, res = self.coefficients(H)
@@ -148,7 +163,11 @@ class MHCConnection(MultiStreamConnection):
 
     def static_weights(self):
         n, b = self.n, self.static_bias.detach().float()
-        res = sinkhorn(b[2 * n :].unflatten(-1, (n, n)), self.iters)
+        logits = b[2 * n :].unflatten(-1, (n, n))
+        if self.columns_first:
+            res = sinkhorn(logits.T, self.iters).T
+        else:
+            res = sinkhorn(logits, self.iters)
         return {"pre": torch.sigmoid(b[:n]), "res": res, "post": 2.0 * torch.sigmoid(b[n : 2 * n])}
 
     def extra_repr(self) -> str:

@@ -13,7 +13,10 @@ Choices (documented, DepthBench has no qk-norm so "post-k-norm" is simply "the p
 
 * Depth keys carry RoPE at the token's own position (attention keys as they enter the sequence softmax, FFN
   keys rotated the same way), so every depth score q_t . K_{t,s} equals the unrotated product (relative
-  distance 0) and never depends on the absolute position.
+  distance 0) and never depends on the absolute position (``moda_depth_rope="rotated"``, the default).
+  ``moda_depth_rope="unrotated"`` is DepthBench's forward (``keyu-wang-2002/DepthBench`` @ 100da5f,
+  ``nn/moda.py``): attention depth keys are cached *before* RoPE and the FFN ``kv_proj`` keys are never
+  rotated, while the query is, so a depth score is R(t) q_t . K_{t,s}; ``hf-depth convert-olmo-core`` sets it.
 * Depth K/V are per token and only the token itself reads them, so a KV-cached decode step recomputes the
   new token's depth K/V within its own forward; past tokens' depth K/V are never read again. **Nothing
   beyond the ordinary sequence KV cache is cached** and generation with a cache equals generation without.
@@ -29,19 +32,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .configuration_depth import DepthConfig
+from .configuration_depth import DepthConfig, _choice
 from .dispatch import moda_attention
 from .residual import Design, ResidualStream
+
+MODA_DEPTH_ROPE = ("rotated", "unrotated")
 
 
 class MoDAConfig(DepthConfig):
     """MoDA decoder (pre-norm): every attention sublayer also attends to the same-token K/V of all earlier
-    sublayers, in one softmax. No fields beyond :class:`DepthConfig`; ``attention_dropout`` must be 0."""
+    sublayers, in one softmax; ``attention_dropout`` must be 0.
+
+    Args:
+        moda_depth_rope: ``"rotated"`` (default): depth keys carry RoPE at the token's own position (depth scores
+            are position independent). ``"unrotated"``: depth keys are never rotated and meet the rotated query,
+            DepthBench's forward (set for converted DepthBench checkpoints).
+    """
 
     model_type = "hf_depth_moda"
     design = "moda"
 
+    moda_depth_rope: str = "rotated"
+
     def validate_design(self):
+        _choice("moda_depth_rope", self.moda_depth_rope, MODA_DEPTH_ROPE)
         if self.attention_dropout != 0:
             raise ValueError(
                 f"`attention_dropout` must be 0 for MoDA (no dropout in its softmax), got {self.attention_dropout!r}"
@@ -85,9 +99,11 @@ class MoDAAttention(DepthAttention):
 
     def forward(self, x, position_embeddings, attention_mask=None, cache=None, depth=(), depth_mask=None, **kwargs):
         q, k, v = self.project_qkv(x)
+        raw_k = k
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        new_kv = (k, v)  # this token's depth K/V: post-RoPE key, value
+        # this token's depth K/V: the key as it enters the sequence softmax (post-RoPE) or, DepthBench, pre-RoPE
+        new_kv = (k if self.config.moda_depth_rope == "rotated" else raw_k, v)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         if attention_mask is not None and attention_mask.dim() != 4:
@@ -107,7 +123,14 @@ class MoDADecoderLayer(DepthDecoderLayer):
         last = layer_idx == config.num_hidden_layers - 1
         kv = config.num_key_value_heads * config.head_dim
         self.kv_proj = None if last else nn.Linear(config.hidden_size, 2 * kv, bias=False)
+        self.rotate_depth = config.moda_depth_rope == "rotated"
         self.mask_depth = False  # True: every depth slot masked out of the softmax (then == Pre-LN attention)
+
+    def skipped(self, state):
+        """DepthBench: a removed block writes no depth K/V, its slots stay zero (they still enter the softmax)."""
+        h = state[0]
+        zero = h.new_zeros(h.shape[0], self.num_kv_heads, h.shape[1], self.head_dim)
+        return (*state, *([zero] * (2 if self.kv_proj is None else 4)))
 
     def forward(self, state, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
         h, depth = state[0], tuple(state[1:])
@@ -121,7 +144,8 @@ class MoDADecoderLayer(DepthDecoderLayer):
         x = self.mlp_connection.read(h, self.post_attention_layernorm)
         if self.kv_proj is not None:
             k, v = self.kv_proj(x).view(*x.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
-            cos, sin = position_embeddings
-            k, _ = apply_rotary_pos_emb(k, k, cos, sin)  # same position as the query: relative distance 0
+            if self.rotate_depth:
+                cos, sin = position_embeddings
+                k, _ = apply_rotary_pos_emb(k, k, cos, sin)  # same position as the query: relative distance 0
             depth = depth + (k, v)
         return (self.mlp_connection.write(h, self.mlp(x)), *depth)

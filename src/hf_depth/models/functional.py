@@ -107,7 +107,8 @@ def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 
 
 def mhc_coefficients(
-    H: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int = 20, eps: float = 1e-6
+    H: torch.Tensor, phi: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, iters: int = 20, eps: float = 1e-6,
+    tanh: bool = False, columns_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC routing (DeepSeek arXiv 2512.24880 Eqs. 7-9), fp32 inside.
 
@@ -118,10 +119,14 @@ def mhc_coefficients(
     x = _acc(H.flatten(-2))
     inv_r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     proj = (x @ _acc(phi)) * inv_r
+    if tanh:  # DepthBench's torch backend: gate * tanh(projection) + bias
+        proj = torch.tanh(proj)
     a, b = _acc(alpha), _acc(bias)
     pre = torch.sigmoid(a[0] * proj[..., :n] + b[:n])
     post = 2.0 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + b[n : 2 * n])
     res_logits = (a[2] * proj[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+    if columns_first:  # Sinkhorn starting with the column step: the row-first one of the transpose, transposed
+        return pre, post, sinkhorn(res_logits.transpose(-1, -2), iters).transpose(-1, -2)
     return pre, post, sinkhorn(res_logits, iters)
 
 

@@ -189,6 +189,10 @@ class DepthDecoderLayer(GradientCheckpointingLayer):
     def connections(self) -> tuple[nn.Module, nn.Module]:
         return self.attn_connection, self.mlp_connection
 
+    def skipped(self, state):
+        """The block's output when DepthBench's analysis removes it: its input state, unchanged."""
+        return state
+
 
 # ----------------------------------------------------------------------------------------------- models
 class DepthPreTrainedModel(PreTrainedModel):

@@ -189,20 +189,23 @@ class RMSNorm(_ScaledNorm):
 class LayerNorm(_ScaledNorm):
     """LayerNorm (with bias) carrying a role; DeepNorm uses it as in the DeepNet paper and DepthBench.
 
-    Normalizes in fp32 like RMSNorm. Without a scale vector (``none``) it has no bias either.
+    Normalizes in fp32 like RMSNorm. Without a scale vector (``none``) it has no bias either; ``bias=False``
+    drops the bias alone (DepthBench's DeepNorm).
     """
 
     def __init__(
-        self, dim: int, eps: float = 1e-6, role: str = "output", elementwise_affine=True, reparam=None, magnitude=True
+        self, dim: int, eps: float = 1e-6, role: str = "output", elementwise_affine=True, reparam=None, magnitude=True,
+        bias: bool = True,
     ):
         super().__init__(dim, eps, role, elementwise_affine, reparam, magnitude)
-        self.bias = nn.Parameter(torch.zeros(dim)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if elementwise_affine and bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g = self.gamma()
-        w = None if g is None else g.float()
-        b = None if self.bias is None else self.bias.float()
-        return nn.functional.layer_norm(x.float(), (self.dim,), w, b, self.eps).to(x.dtype)
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 for narrower floats, float64 kept
+        w = None if g is None else g.to(acc)
+        b = None if self.bias is None else self.bias.to(acc)
+        return nn.functional.layer_norm(x.to(acc), (self.dim,), w, b, self.eps).to(x.dtype)
 
     def reset_design_parameters(self) -> None:
         super().reset_design_parameters()
@@ -235,8 +238,10 @@ def make_norm(
         raise ValueError(f"`kind` must be one of ['rms', 'layer'], got {kind!r}")
     affine, magnitude = _norm_gamma(config, role, final)
     reparam = scale_vector_spec(config)["reparam"]
-    cls = LayerNorm if kind == "layer" else RMSNorm
-    return cls(dim, config.rms_norm_eps, role, elementwise_affine=affine, reparam=reparam, magnitude=magnitude)
+    if kind == "layer":
+        return LayerNorm(dim, config.rms_norm_eps, role, elementwise_affine=affine, reparam=reparam,
+                         magnitude=magnitude, bias=getattr(config, "norm_bias", True))
+    return RMSNorm(dim, config.rms_norm_eps, role, elementwise_affine=affine, reparam=reparam, magnitude=magnitude)
 
 
 def norm_param_count(
@@ -247,7 +252,8 @@ def norm_param_count(
     affine, magnitude = _norm_gamma(config, role, final)
     if not affine:
         return 0
-    bias = dim if (kind or getattr(config, "norm_kind", "rms")) == "layer" else 0
+    layer = (kind or getattr(config, "norm_kind", "rms")) == "layer"
+    bias = dim if layer and getattr(config, "norm_bias", True) else 0
     return scale_param_count(config, dim, magnitude) + bias
 
 

@@ -43,6 +43,19 @@ class SublayerConnection(nn.Module):
         """Explicit residual-path weights of this sublayer (AttnRes softmax, HC mixing), ``None`` if implicit."""
         return None
 
+    # ---- what the DepthBench diagnostics convention needs to know (``hf_depth.diagnostics.conventions``)
+    #: names of position-derived Python scalars that travel with a block when two blocks are swapped (LNS 1/sqrt(l))
+    position_scalars: tuple[str, ...] = ()
+
+    def depth_mixer(self) -> nn.Module | None:
+        """The module that mixes earlier sources into this sublayer's input (AttnRes depth softmax; its forward
+        returns the raw, pre-norm mix), ``None`` where the input is not a depth mix."""
+        return None
+
+    def boundary_mixer(self) -> nn.Module | None:
+        """``depth_mixer()`` where this sublayer starts a source block (a true AttnRes boundary), else ``None``."""
+        return None
+
 
 class ResidualStream(nn.Module):
     """Model-level part of a design: embedding -> state, state -> [B, T, d], final norm."""
@@ -61,6 +74,16 @@ class ResidualStream(nn.Module):
 
     def path_weights(self) -> dict[str, torch.Tensor] | None:
         """Explicit weights of the final aggregation (AttnRes), ``None`` if implicit."""
+        return None
+
+    def depth_state(self, state) -> torch.Tensor:
+        """The state DepthBench's analysis measures (``depth_probes.forward_depth_states``): by default the
+        collapsed ``[B, T, d]`` view; HC/mHC the n streams side by side ``[B, T, n d]``; AttnRes the running
+        partial sum (a block's plain output)."""
+        return self.collapse(state)
+
+    def depth_mixer(self) -> nn.Module | None:
+        """The final depth mix (AttnRes), whose raw output is DepthBench's ``z_L``; ``None`` if there is none."""
         return None
 
 

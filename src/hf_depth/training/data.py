@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import UserError, reading
 from .recipe import DataRecipe
 
 EOS, PAD = "<|endoftext|>", "<|padding|>"
@@ -133,7 +134,9 @@ def _hf_dataset(data: DataRecipe, files: list[str] | None):
     from datasets import load_dataset
 
     kwargs = {"data_files": files} if files else {}
-    return load_dataset(data.path, data.name, split=data.split, streaming=True, **kwargs)
+    with reading(files or data.path, "the `data` files" if files else "the dataset `data.path`",
+                 "check that they exist, are not empty and are of the builder `data.path` (json lines, parquet...)"):
+        return load_dataset(data.path, data.name, split=data.split, streaming=True, **kwargs)
 
 
 class Documents:
@@ -179,11 +182,24 @@ class Documents:
                 yield text
 
     def _texts(self, ds) -> Iterator[str]:
-        for row in ds:
+        rows = iter(ds)
+        while True:
+            with reading(_where(self.data), "the documents of", "check that the files exist, are not empty and are "
+                         "of the builder `data.path` (json lines, parquet...)"):
+                try:
+                    row = next(rows)
+                except StopIteration:
+                    return
             text = row.get(self.data.text_field)
             if not isinstance(text, str):
                 raise ValueError(f"`data.text_field` {self.data.text_field!r} is not a text column; row keys: {list(row)}")
             yield text
+
+
+def _where(data: DataRecipe) -> str:
+    files = data.data_files or []
+    return f"`data.source`={data.source!r}" + (f", `data.data_files`={files}" if files else "") + (
+        f", `data.path`={data.path!r}" if data.path else "")
 
 
 def _digest(text: str) -> bytes:
@@ -253,7 +269,8 @@ class TokenStream:
         held = 0 if self.data.val_data_files else min(self.data.val_sequences, n // 2)
         idx = np.arange(n - held, n) if self.split == "val" else np.arange(0, n - held)
         if len(idx) == 0:
-            raise ValueError(f"the memmap files hold {len(self._tokens)} tokens: not one sequence of {self.data.seq_len}")
+            raise UserError(f"the memmap files ({_where(self.data)}) hold {len(self._tokens)} tokens: not one {self.split} "
+                            f"sequence of `data.seq_len`={self.data.seq_len}; give more tokens or lower `data.seq_len`")
         while True:
             s = self.state
             order = idx if self.split == "val" else np.random.default_rng(self.data.shuffle_seed + s["epoch"]).permutation(idx)
@@ -269,7 +286,13 @@ class TokenStream:
     def next_batch(self, batch_size: int) -> torch.Tensor:
         if self._it is None:
             self._it = self._sequences()
-        rows = [next(self._it) for _ in range(batch_size)]
+        rows = []
+        for _ in range(batch_size):
+            try:
+                rows.append(next(self._it))
+            except StopIteration:
+                raise UserError(f"the {self.split} stream ({_where(self.data)}) ran out of sequences of "
+                                f"`data.seq_len`={self.data.seq_len} tokens: give more data or lower the length") from None
         return torch.tensor(rows, dtype=torch.long)
 
     def take(self, n: int) -> list[list[int]]:
@@ -294,9 +317,16 @@ def memmap_tokens(files: list[str], dtype: str = "uint16") -> np.ndarray:
     arrays = []
     for f in files:
         p = Path(f)
-        if not p.exists():
-            raise ValueError(f"`data.data_files` entry {f!r} does not exist")
-        arrays.append(np.load(p, mmap_mode="r") if p.suffix == ".npy" else np.memmap(p, dtype=dtype, mode="r"))
+        if not p.is_file():
+            raise UserError(f"`data.data_files` entry {f!r} does not exist (or is not a file)")
+        if p.stat().st_size == 0:
+            raise UserError(f"`data.data_files` entry {f!r} is empty: a memmap file holds pre-tokenized ids")
+        hint = (f"a .npy must be a 1-D integer array (np.save), any other file raw `data.token_dtype`={dtype!r} ids")
+        with reading(f, "`data.data_files` entry", hint):
+            a = np.load(p, mmap_mode="r", allow_pickle=False) if p.suffix == ".npy" else np.memmap(p, dtype=dtype, mode="r")
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise UserError(f"`data.data_files` entry {f!r} holds a {a.ndim}-D {a.dtype} array: {hint}")
+        arrays.append(a)
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
@@ -304,6 +334,7 @@ def validation_set(data: DataRecipe, tokenizer, rank: int = 0, world: int = 1) -
     """The fixed held-out sequences (``val_sequences`` of them) this process evaluates: every ``world``-th."""
     seqs = TokenStream(data, tokenizer, "val").take(data.val_sequences)
     if not seqs:
-        raise ValueError("the validation stream is empty: raise `data.val_docs` or give `data.val_data_files`")
+        raise UserError(f"the validation stream ({_where(data)}) holds no sequence of `data.seq_len`={data.seq_len} "
+                        "tokens: check the data files are not empty, raise `data.val_docs` or give `data.val_data_files`")
     mine = seqs[rank::world]
     return torch.tensor(mine, dtype=torch.long) if mine else torch.empty(0, data.seq_len, dtype=torch.long)

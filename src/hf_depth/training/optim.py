@@ -10,6 +10,13 @@ to decayed or not:
 * ``"depthbench"`` -- DepthBench's protocol: every parameter at ``weight_decay`` except HC/mHC static routing.
 * ``"no_norm_decay"`` -- nanoGPT: no decay on any norm / scale vector / bias (nor on any other 1-D tensor, nor on
   static routing); >=2-D tensors decayed.
+* ``"output_norm_only"`` -- the scale-vector paper's Figure 3 arm "no wd: Input-Norm": Output-Norm scale vectors
+  decayed, Input-Norm ones never; everything else as DepthBench. With ``depthbench`` (decay every gamma), ``iwd``
+  (Input-Norm only) and ``no_norm_decay`` these are the paper's four weight-decay arms.
+
+``make_optimizer(..., optimizer="muon")`` trains every 2-D weight matrix of the blocks with ``torch.optim.Muon``
+(``adjust_lr_fn="match_rms_adamw"``, so one learning rate serves both) and the rest -- 1-D tensors, the input
+embedding and the LM head -- with AdamW, as the scale-vector paper's Muon runs (Figure 8) do.
 
     groups = build_param_groups(model, "iwd", 0.1)
     print(describe_param_groups(groups))
@@ -26,7 +33,8 @@ from torch import nn
 
 from ..models.norms import parameter_roles
 
-POLICIES = ("iwd", "depthbench", "no_norm_decay")
+POLICIES = ("iwd", "depthbench", "no_norm_decay", "output_norm_only")
+OPTIMIZERS = ("adamw", "muon")
 _ROLE_ORDER = ("matrix", "embedding", "bias", "input_norm", "output_norm", "routing_static", "design")
 _NEVER_DECAYED = ("routing_static",)
 
@@ -45,6 +53,8 @@ def decays(policy: str, role: str, param: torch.Tensor) -> bool:
         return True
     if policy == "iwd":
         return role != "output_norm"
+    if policy == "output_norm_only":
+        return role != "input_norm"
     return role not in ("input_norm", "output_norm", "bias") and param.dim() >= 2
 
 
@@ -97,6 +107,54 @@ def describe_param_groups(groups: list[dict]) -> str:
     return "\n".join(rows)
 
 
+class MuonAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on the groups in ``muon_groups`` and AdamW on ``adamw_groups``, stepped together.
+
+    ``param_groups`` are the two optimizers' own group dicts (setting a group's ``lr`` reaches the optimizer that
+    owns it); ``state_dict`` holds both states."""
+
+    def __init__(self, muon_groups: list[dict], adamw_groups: list[dict], lr: float, betas=(0.9, 0.95),
+                 eps: float = 1e-8, momentum: float = 0.95):
+        if not hasattr(torch.optim, "Muon"):
+            raise ValueError(f"`optimizer` 'muon' needs torch.optim.Muon (torch >= 2.9), this is torch {torch.__version__}")
+        self.muon = torch.optim.Muon(muon_groups, lr=lr, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps)
+        super().__init__([p for g in (*muon_groups, *adamw_groups) for p in g["params"]], {"lr": lr})
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
+
+    def state_dict(self):
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state_dict):
+        self.muon.load_state_dict(state_dict["muon"])
+        self.adamw.load_state_dict(state_dict["adamw"])
+
+
+def _split_for_muon(model: nn.Module, groups: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Each group -> its 2-D block matrices (Muon) and the rest (AdamW: 1-D, input embedding, LM head)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = {id(head.weight)} if head is not None else set()
+    muon, adamw = [], []
+    for g in groups:
+        for target, keep in ((muon, True), (adamw, False)):
+            sel = [(p, n) for p, n in zip(g["params"], g["names"])
+                   if (g["role"] == "matrix" and p.dim() == 2 and id(p) not in skip) == keep]
+            if sel:
+                target.append({**g, "params": [p for p, _ in sel], "names": [n for _, n in sel],
+                               "optimizer": "muon" if keep else "adamw"})
+    return muon, adamw
+
+
 def make_optimizer(
     model: nn.Module,
     lr: float,
@@ -104,8 +162,15 @@ def make_optimizer(
     policy: str = "depthbench",
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
+    optimizer: str = "adamw",
     **adamw_kwargs,
-) -> torch.optim.AdamW:
-    """AdamW over :func:`build_param_groups` (extra keyword arguments go to ``torch.optim.AdamW``)."""
+) -> torch.optim.Optimizer:
+    """AdamW over :func:`build_param_groups` (extra keyword arguments go to ``torch.optim.AdamW``), or with
+    ``optimizer="muon"`` a :class:`MuonAdamW` over the same groups."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"`optimizer` must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
     groups = build_param_groups(model, policy, weight_decay)
+    if optimizer == "muon":
+        muon, adamw = _split_for_muon(model, groups)
+        return MuonAdamW(muon, adamw, lr=lr, betas=betas, eps=eps)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kwargs)

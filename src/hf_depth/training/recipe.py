@@ -11,6 +11,8 @@ validates design names and design fields), so a recipe that loads is a recipe th
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,11 +68,15 @@ class DataRecipe:
 
 @dataclass
 class OptimRecipe:
-    """AdamW with a weight-decay policy (``hf_depth.training.optim``) and cosine-with-warmup schedule."""
+    """AdamW (or Muon + AdamW) with a weight-decay policy (``hf_depth.training.optim``) and a warmup + cosine or
+    warmup-stable-decay (``wsd``: peak until the last ``decay_frac`` of the steps, then linear) schedule."""
 
     lr: float = 2e-3
     weight_decay: float = 0.1
-    policy: Literal["depthbench", "iwd", "no_norm_decay"] = "depthbench"
+    policy: Literal["depthbench", "iwd", "no_norm_decay", "output_norm_only"] = "depthbench"
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_frac: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -92,6 +98,9 @@ class TrainRecipe:
     seed: int = 42
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
     compile: bool = False
+    #: ``ddp``: accelerate's data parallelism (one process: plain); ``fsdp2``: torch's ``fully_shard`` per decoder
+    #: layer and root, with ``torch.distributed.checkpoint`` checkpoints that resume at any world size
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
     eval_every: int = 100
     eval_batches: int | None = None
     save_every: int = 100
@@ -125,9 +134,10 @@ class Recipe:
 POSITIVE = {
     "model.hidden_size", "model.num_hidden_layers", "model.num_attention_heads", "model.max_position_embeddings",
     "data.seq_len", "data.tokenizer_vocab_size", "train.micro_batch_size", "train.grad_accum", "train.eval_every",
-    "train.save_every", "train.keep_last", "train.log_every", "optim.lr",
+    "train.save_every", "train.keep_last", "train.log_every", "optim.lr", "data.val_sequences",
 }
-FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2"}
+NON_NEGATIVE = {"data.val_docs", "data.shuffle_seed", "train.seed"}
+FRACTIONS = {"optim.warmup_frac", "optim.final_lr_frac", "optim.beta1", "optim.beta2", "optim.decay_frac"}
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -189,6 +199,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 pass
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ValueError(f"`{key}` must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"`{key}` must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -206,7 +218,8 @@ def _build(cls, data: dict, prefix: str):
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            raise ValueError(f"unknown recipe key `{dotted}`; allowed keys under `{prefix[:-1] or 'recipe'}`: {names}")
+            raise ValueError(f"unknown recipe key `{dotted}`{_did_you_mean(key, names)}; allowed keys under "
+                             f"`{prefix[:-1] or 'recipe'}`: {names}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{dotted}.")
@@ -215,12 +228,19 @@ def _build(cls, data: dict, prefix: str):
     return cls(**kwargs)
 
 
+def _did_you_mean(key, names) -> str:
+    close = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.7)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
 def _check_values(recipe: Recipe) -> None:
     for section in ("model", "data", "optim", "train"):
         for f in dataclasses.fields(getattr(recipe, section)):
             key, value = f"{section}.{f.name}", getattr(getattr(recipe, section), f.name)
             if key in POSITIVE and value is not None and value <= 0:
                 raise ValueError(f"`{key}` must be positive, got {value!r}")
+            if key in NON_NEGATIVE and value < 0:
+                raise ValueError(f"`{key}` must be >= 0, got {value!r}")
             if key in FRACTIONS and not 0 <= value < 1:
                 raise ValueError(f"`{key}` must be in [0, 1), got {value!r}")
     for key in ("train.max_tokens", "train.max_steps", "model.vocab_size", "train.eval_batches"):
@@ -238,6 +258,9 @@ def _check_values(recipe: Recipe) -> None:
         raise ValueError("`data.data_files` is required when `data.source` is 'memmap' (.bin/.npy token files)")
     if d.tokenizer == "embedded" and d.tokenizer_vocab_size < 260:
         raise ValueError(f"`data.tokenizer_vocab_size` must be >= 260 (256 bytes + specials), got {d.tokenizer_vocab_size}")
+    if recipe.optim.optimizer == "muon" and recipe.train.parallel == "fsdp2":
+        raise ValueError("`optim.optimizer` 'muon' needs `train.parallel` 'ddp' (Muon's orthogonalization works on "
+                         "whole matrices, not FSDP2 shards); allowed with fsdp2: 'adamw'")
     if recipe.optim.weight_decay < 0 or recipe.optim.grad_clip < 0 or recipe.optim.eps <= 0:
         raise ValueError("`optim.weight_decay` and `optim.grad_clip` must be >= 0 and `optim.eps` > 0")
     if recipe.train.tokens_per_param <= 0:
@@ -249,8 +272,18 @@ def _check_values(recipe: Recipe) -> None:
 def model_config(recipe: Recipe, vocab_size: int | None = None):
     """The design's config for this recipe (``vocab_size`` defaults to the recipe's)."""
     import hf_depth
+    from hf_depth.models.configuration_depth import depth_fields, transformers_names
 
     m = recipe.model
+    if m.design in hf_depth.DESIGNS:  # a design field must exist: a typo would otherwise be silently ignored
+        known = depth_fields(hf_depth.DESIGNS[m.design].config_class)
+        shaped = {f.name for f in dataclasses.fields(ModelRecipe)}
+        for key in m.fields:
+            if (key not in known and key not in transformers_names()) or key in shaped:
+                why = "is set by `model.` itself" if key in shaped else f"is not a field of design {m.design!r}"
+                design_only = sorted(set(known) - set(depth_fields(hf_depth.DepthConfig)))
+                raise ValueError(f"`model.fields.{key}` {why}{_did_you_mean(key, known)}; the design's own fields: "
+                                 f"{design_only}")
     fields = dict(
         hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_key_value_heads, intermediate_size=m.intermediate_size,
@@ -272,8 +305,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"override {text!r} must look like `section.key=value` (e.g. `optim.lr=1e-3`)")
     key, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override `{text}`: the value is not valid YAML ({_yaml_problem(e)})") from None
+    if not key.strip() or any(not k for k in key.strip().split(".")):
+        raise ValueError(f"override {text!r} must look like `section.key=value` (e.g. `optim.lr=1e-3`)")
     return key.strip().split("."), value
+
+
+def _yaml_problem(e: Exception) -> str:
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{getattr(e, 'problem', None) or type(e).__name__}{where}"
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -289,6 +333,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def recipe_from_dict(data: dict, overrides: list[str] | None = None) -> Recipe:
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"a recipe must be a mapping of sections, got {type(data).__name__}")
     data = apply_overrides(yaml.safe_load(yaml.safe_dump(data or {})), list(overrides or []))
     recipe = _build(Recipe, data, "")
     _check_values(recipe)
@@ -300,7 +346,13 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"recipe file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"recipe file {str(path)!r} is not valid YAML ({_yaml_problem(e)}): fix the syntax") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"recipe file {str(path)!r} must hold a mapping (`model:`, `data:`, `optim:`, `train:` "
+                         f"sections), got a {type(data).__name__} at the top level")
     if "name" not in data:
         data["name"] = path.stem
     return recipe_from_dict(data, overrides)

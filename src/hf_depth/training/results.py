@@ -4,9 +4,15 @@
 
 Writes ``best.csv`` / ``best.md`` (best validation loss per design and shape, the best learning rate kept),
 ``val_loss_vs_aspect_ratio.png`` (the paper's Figure 2: loss against d/L, one line per design), and, for designs
-with at least three model sizes, a fitted scaling law ``L(N) = a * N^-alpha + c`` (``scaling.json``/``.md``) and
-the compute-efficiency ratio between two designs at equal loss: with a fixed number of tokens per parameter
-compute is C = 6 N D ∝ N², so the ratio is (N_a(ℓ) / N_b(ℓ))² at the loss ℓ both reach.
+with at least three model sizes, fitted scaling laws ``L(N) = a * N^-alpha + c`` in parameters and
+``L(C) = a * C^-alpha + c`` in training compute C (PFLOP/s-days) (``scaling.json``/``.md``), and the
+compute-efficiency ratio between two designs at equal loss, C_a(ℓ) / C_b(ℓ) from the compute fits (the
+scale-vector paper's "1.22x PFLOP/s-days", HiRes's "1.30x FLOPs").
+
+Training compute is analytic, per design (``training_flops``): 3 x the forward FLOPs (forward + backward) of every
+trained token, the forward from ``hf_depth.diagnostics.cost.prefill_flops`` at the run's sequence length: every
+matmul (projections, full attention scores and values, LM head) plus the design's own work (routing matmuls, depth
+softmax, MoDA depth attention, ...). Not 6 N D: attention and design FLOPs grow with L d at fixed N.
 """
 
 from __future__ import annotations
@@ -20,6 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
+PFLOPS_DAY = 1e15 * 86400
+
+
+def training_flops(config, tokens: int, seq_len: int) -> int:
+    """Analytic training FLOPs of ``tokens`` tokens in sequences of ``seq_len``: 3 x forward (see module docstring)."""
+    from ..diagnostics.cost import prefill_flops
+
+    f = prefill_flops(config, seq_len)
+    per_token = (f["total_matmul"] + f["extra_other"]) / seq_len
+    return int(round(3 * per_token * tokens))
+
 
 def collect(root: str | Path) -> list[dict]:
     """Every ``summary.json`` under ``root`` (finished and diverged runs)."""
@@ -31,8 +48,15 @@ def collect(root: str | Path) -> list[dict]:
     return rows
 
 
+def arm(r: dict) -> str:
+    """A run's design label: the design, with its scale-vector variant unless ``standard`` (``pre_ln+best``)."""
+    sv = r.get("scale_vector", "standard")
+    return r["design"] if sv in (None, "standard") else f"{r['design']}+{sv}"
+
+
 def best_per_shape(rows: list[dict]) -> list[dict]:
-    """One row per (design, L, d): the learning rate with the lowest best validation loss."""
+    """One row per (design label, L, d): the learning rate with the lowest best validation loss."""
+    rows = [{**r, "design": arm(r)} for r in rows]
     best: dict[tuple, dict] = {}
     for r in rows:
         if r.get("status") != "finished" or r.get("best_val_loss") is None:
@@ -43,9 +67,12 @@ def best_per_shape(rows: list[dict]) -> list[dict]:
     out = []
     for (design, L, d), r in sorted(best.items()):
         lrs = sorted({x["lr"] for x in rows if (x["design"], x["num_hidden_layers"], x["hidden_size"]) == (design, L, d)})
-        out.append({"design": design, "L": L, "d": d, "aspect_ratio": round(d / L, 3), "params": r["params"],
-                    "best_lr": r["lr"], "val_loss": round(r["best_val_loss"], 4), "lrs_tried": len(lrs),
-                    "tokens": r["tokens"]})
+        row = {"design": design, "L": L, "d": d, "aspect_ratio": round(d / L, 3), "params": r["params"],
+               "best_lr": r["lr"], "val_loss": round(r["best_val_loss"], 4), "lrs_tried": len(lrs),
+               "tokens": r["tokens"]}
+        if r.get("train_flops") is not None:
+            row["pflops_days"] = float(f"{r['train_flops'] / PFLOPS_DAY:.4g}")
+        out.append(row)
     return out
 
 
@@ -108,16 +135,22 @@ def fit_scaling_law(n: np.ndarray, loss: np.ndarray) -> dict:
 
 
 def params_at_loss(fit: dict, loss: float) -> float:
-    """N such that a N^-alpha + c = loss (inf when the loss is at or below the fit's floor c)."""
+    """x such that a x^-alpha + c = loss for a fit in x (parameters or compute); inf at or below the floor c."""
     if loss <= fit["c"]:
         return math.inf
     return (fit["a"] / (loss - fit["c"])) ** (1 / fit["alpha"])
 
 
-def compute_efficiency(fit_a: dict, fit_b: dict, loss: float) -> dict:
-    """How much more compute design a needs than design b to reach ``loss`` (tokens/param fixed: C ∝ N²)."""
-    na, nb = params_at_loss(fit_a, loss), params_at_loss(fit_b, loss)
-    return {"loss": loss, "params_a": na, "params_b": nb, "param_ratio": na / nb, "compute_ratio": (na / nb) ** 2}
+def compute_efficiency(compute_fit_a: dict, compute_fit_b: dict, loss: float, param_fit_a: dict | None = None,
+                       param_fit_b: dict | None = None) -> dict:
+    """How much more training compute design a needs than design b to reach ``loss``: C_a(loss) / C_b(loss) from
+    scaling laws fitted on compute (PFLOP/s-days); with parameter fits also the parameter ratio N_a / N_b."""
+    ca, cb = params_at_loss(compute_fit_a, loss), params_at_loss(compute_fit_b, loss)
+    out = {"loss": loss, "pflops_days_a": ca, "pflops_days_b": cb, "compute_ratio": ca / cb}
+    if param_fit_a is not None and param_fit_b is not None:
+        na, nb = params_at_loss(param_fit_a, loss), params_at_loss(param_fit_b, loss)
+        out.update({"params_a": na, "params_b": nb, "param_ratio": na / nb})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,24 +176,28 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     if best:
         print(f"plot: {plot_vs_aspect_ratio(best, out / 'val_loss_vs_aspect_ratio.png')}")
-    fits = {}
+    fits, compute_fits = {}, {}
     for design in sorted({r["design"] for r in best}):
         pts = [r for r in best if r["design"] == design]
         try:
             fits[design] = fit_scaling_law([r["params"] for r in pts], [r["val_loss"] for r in pts])
+            if all("pflops_days" in r for r in pts):
+                compute_fits[design] = fit_scaling_law([r["pflops_days"] for r in pts], [r["val_loss"] for r in pts])
         except ValueError as e:
             print(f"scaling law for {design}: skipped ({e})")
-    report = {"fits": fits}
+    report = {"fits": fits, "compute_fits": compute_fits}
     if a.compare:
         da, db = a.compare
-        if da in fits and db in fits:
+        if da in compute_fits and db in compute_fits:
             loss = a.loss or min(r["val_loss"] for r in best if r["design"] == da)
-            report["efficiency"] = {"a": da, "b": db, **compute_efficiency(fits[da], fits[db], loss)}
+            report["efficiency"] = {"a": da, "b": db, **compute_efficiency(
+                compute_fits[da], compute_fits[db], loss, fits.get(da), fits.get(db))}
             e = report["efficiency"]
-            print(f"{db} reaches loss {loss:.4f} with {e['param_ratio']:.3f}x fewer parameters than {da}: "
-                  f"{e['compute_ratio']:.3f}x compute efficiency")
+            print(f"{db} reaches loss {loss:.4f} with {e['compute_ratio']:.3f}x less training compute "
+                  f"(PFLOP/s-days) than {da}")
         else:
-            print(f"compute efficiency: needs scaling fits for both {da} and {db} (>= 3 sizes each)")
+            print(f"compute efficiency: needs compute scaling fits for both {da} and {db} (>= 3 sizes each, runs "
+                  "with train_flops in summary.json)")
     if fits:
         lines = [f"| {d} | {f['a']:.4g} | {f['alpha']:.4f} | {f['c']:.4f} | {f['rmse']:.2e} | {f['points']} |"
                  for d, f in fits.items()]

@@ -9,39 +9,150 @@ tokens per parameter unless the recipe says otherwise. The run folder holds the 
 sha and environment (``run.json``), metrics (``metrics.jsonl``), atomic checkpoints (``checkpoints/step_N``,
 last ``keep_last`` kept) with model, optimizer, RNG states and the data position, and ``final/`` (a
 ``save_pretrained`` folder with the tokenizer) plus ``summary.json`` when done.
+
+Safety: one process owns a run folder for the run's life (an OS lock on ``RUN/.lock``; a second ``train`` or
+``--resume`` on it refuses, naming the holder's PID). Nothing non-finite is ever saved: before a checkpoint or
+``final/`` is written the parameters are checked (one fused norm) and so is the loss of one held-out batch with
+them; a failure stops the run as ``diverged`` naming the last checkpoint that passed, which ``--resume`` (with a
+lower ``optim.lr``) continues from. Resume drops a torn last line of ``metrics.jsonl`` (a kill mid-write), and
+refuses a checkpoint whose RNG state cannot be restored unless ``--resume-ignore-rng``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import platform
+import random
 import shutil
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from ..errors import UserError, reading, run_command
 from ..utils import flatten_dict
+from . import distributed
 from .data import TokenStream, load_tokenizer, validation_set
 from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
+from .results import training_flops
 
 
 class Diverged(RuntimeError):
     """A non-finite loss: the run stops and keeps its last good checkpoint."""
 
 
+# ---------------------------------------------------------------------------------------------- run-folder safety
+@contextlib.contextmanager
+def run_folder_lock(run_dir: Path, enabled: bool = True):
+    """Hold an exclusive OS lock on ``run_dir/.lock`` (with our PID in it) for the block; a second holder is
+    refused with a UserError naming the PID that owns the folder. The lock dies with its process (kill -9 too)."""
+    if not enabled:
+        yield
+        return
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise UserError(f"run folder {str(run_dir)!r} is in use by process {holder} (another `hf-depth train` "
+                            "or --resume): wait for it to end, stop it, or give this run another `run_dir`") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def read_metrics(path: Path, drop_torn: bool = False) -> list[dict]:
+    """Rows of ``metrics.jsonl``. A line that is not JSON (a kill mid-write tears the last one) is dropped with a
+    warning when ``drop_torn``; otherwise it is an error naming the file and line."""
+    rows = []
+    lines = path.read_text().splitlines() if path.exists() else []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a metrics row")
+        except ValueError:
+            if not drop_torn:
+                raise UserError(f"{str(path)!r} line {i + 1} is not a metrics row: {line[:80]!r}") from None
+            warnings.warn(f"{path}: dropped line {i + 1} (torn or not a metrics row): {line[:80]!r}", stacklevel=2)
+            continue
+        rows.append(row)
+    return rows
+
+
+def params_finite(model) -> bool:
+    """Whether every parameter (this rank's shards under FSDP2) is finite: one fused ``torch._foreach_norm``, one sync."""
+    params = [p.detach() for p in model.parameters()]
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in params]  # FSDP2: this rank's shards
+    if not params:
+        return True
+    norms = torch._foreach_norm(params) if hasattr(torch, "_foreach_norm") else [p.norm() for p in params]
+    return bool(torch.isfinite(torch.stack([n.float().to(norms[0].device) for n in norms])).all())
+
+
+def restore_rng(ckpt: Path, process_index: int, ignore: bool) -> None:
+    """Restore the checkpoint's RNG states (python, numpy, torch, CUDA) or raise a UserError naming the file.
+
+    accelerate's ``load_state`` skips an unreadable RNG file silently (a resumed run would then not be the
+    uninterrupted one); here it is an error unless ``ignore`` (``--resume-ignore-rng``)."""
+    import numpy as np
+    from accelerate.utils import load
+
+    path = ckpt / f"random_states_{process_index}.pkl"
+    try:
+        states = load(path, weights_only=True)
+        random.setstate(states["random_state"])
+        np.random.set_state(states["numpy_random_seed"])
+        torch.set_rng_state(states["torch_manual_seed"])
+        if torch.cuda.is_available() and "torch_cuda_manual_seed" in states:
+            torch.cuda.set_rng_state_all(states["torch_cuda_manual_seed"])
+    except Exception as e:
+        if ignore:
+            warnings.warn(f"{path}: RNG state not restored ({type(e).__name__}); continuing (--resume-ignore-rng)",
+                          stacklevel=2)
+            return
+        raise UserError(f"cannot restore the RNG state of checkpoint {str(ckpt)!r} from {path.name} "
+                        f"({type(e).__name__}: {str(e)[:200]}): the resumed run would not match an uninterrupted one; "
+                        "pass --resume-ignore-rng to continue anyway") from None
+
+
 # ---------------------------------------------------------------------------------------------- pieces
-def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak."""
+def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1,
+          schedule: str = "cosine", decay_frac: float = 0.2) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak
+    (``cosine``), or peak until the last ``decay_frac`` of the steps and a linear decay to final_frac*peak there
+    (``wsd``, warmup-stable-decay)."""
     warmup = max(1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
     if step < warmup:
         return peak * (step + 1) / warmup
+    if schedule == "wsd":
+        decay = max(1, math.ceil(decay_frac * total_steps)) if decay_frac > 0 else 0
+        start = max(warmup, total_steps - decay)
+        if step < start:
+            return peak
+        progress = min(1.0, (step - start + 1) / max(1, total_steps - start))
+        return peak * (1 - (1 - final_frac) * progress)
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -83,15 +194,21 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[5:]))
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, data_state: dict, keep_last: int):
-    """Write ``checkpoints/step_N`` atomically: everything goes to a temporary folder that is renamed at the end."""
+def save_checkpoint(accelerator, run_dir: Path, step: int, trainer_state: dict, data_state: dict, keep_last: int,
+                    sharded: tuple | None = None):
+    """Write ``checkpoints/step_N`` atomically: everything goes to a temporary folder that is renamed at the end.
+
+    ``sharded=(model, optimizer)`` (FSDP2) writes model and optimizer as a DCP folder instead of accelerate's
+    full-state files; the RNG states are per process in both cases."""
     final = run_dir / "checkpoints" / f"step_{step:08d}"
     tmp = final.with_name(final.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # model, optimizer, RNG states (per process)
+    if sharded is not None:
+        distributed.save_sharded(*sharded, tmp)
+    accelerator.save_state(str(tmp))  # model and optimizer (when prepared), RNG states (per process)
     (tmp / f"data_state_{accelerator.process_index}.json").write_text(json.dumps(data_state))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -138,9 +255,15 @@ def plan(recipe: Recipe, n_params: int, world: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the loop
-def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> dict:
+def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None, ignore_rng: bool = False) -> dict:
     """Train ``recipe``; returns the run summary. ``stop_after`` ends the process-level loop early (as a crash
-    would), leaving the checkpoints for ``resume=True``."""
+    would), leaving the checkpoints for ``resume=True``. The run folder is locked for the whole run."""
+    main_proc = int(os.environ.get("RANK", "0")) == 0
+    with run_folder_lock(recipe.resolved_run_dir, enabled=main_proc):
+        return _run(recipe, resume, stop_after, ignore_rng)
+
+
+def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -158,7 +281,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     main_proc = accelerator.is_main_process
     say = accelerator.print
     if run_dir.exists() and checkpoints(run_dir) and not resume:
-        raise ValueError(f"run folder {str(run_dir)!r} already has checkpoints: pass --resume, or a new `run_dir`")
+        raise UserError(f"run folder {str(run_dir)!r} already has checkpoints: pass --resume, or a new `run_dir`")
     if main_proc:
         run_dir.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
@@ -174,10 +297,13 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     import hf_depth
 
     model = hf_depth.MODEL_CLASSES[config.design][1](config)
+    fsdp = t.parallel == "fsdp2"
+    if fsdp:  # shard before the optimizer is built, so that it holds the sharded parameters
+        model = distributed.shard(model.to(accelerator.device))
     n_params = count_params(config)
     p = plan(recipe, n_params, accelerator.num_processes)
     optimizer = make_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, policy=o.policy,
-                               betas=(o.beta1, o.beta2), eps=o.eps)
+                               betas=(o.beta1, o.beta2), eps=o.eps, optimizer=o.optimizer)
     for g in optimizer.param_groups:
         g.setdefault("lr_scale", g["lr"] / o.lr)  # the policy may scale a group's learning rate
     say(f"[hf-depth] {recipe.name}: {config.design} L={config.num_hidden_layers} d={config.hidden_size} "
@@ -186,7 +312,8 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     say(f"[hf-depth] optimizer groups (policy={o.policy}):\n{describe_param_groups(optimizer.param_groups)}")
     if t.compile:
         model = torch.compile(model)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    if not fsdp:  # FSDP2 modules are already distributed: accelerate would wrap them in DDP
+        model, optimizer = accelerator.prepare(model, optimizer)
 
     train_stream = TokenStream(recipe.data, tokenizer, "train", accelerator.process_index, accelerator.num_processes)
     val = validation_set(recipe.data, tokenizer, accelerator.process_index, accelerator.num_processes)
@@ -196,12 +323,28 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
     step, tokens_seen, best_val = 0, 0, float("inf")
     if resume and checkpoints(run_dir):
         ckpt = checkpoints(run_dir)[-1]
-        accelerator.load_state(str(ckpt))
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        step, tokens_seen, best_val = state["step"], state["tokens"], state["best_val_loss"]
-        train_stream.load_state_dict(json.loads((ckpt / f"data_state_{accelerator.process_index}.json").read_text()))
-        if main_proc and metrics_path.exists():  # drop what was logged after the checkpoint
-            rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        with reading(ckpt, "checkpoint", "resume from an earlier checkpoint (delete this one) or start a new run"):
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            saved = [json.loads((ckpt / f"data_state_{r}.json").read_text())
+                     for r in range(int(state.get("processes", accelerator.num_processes)))]
+            train_stream.load_state_dict(distributed.reshard_data_state(
+                saved, accelerator.num_processes, accelerator.process_index, recipe.data.source))
+            if fsdp:
+                distributed.load_sharded(model, optimizer, ckpt)
+            if len(saved) == accelerator.num_processes:
+                accelerator.load_state(str(ckpt))
+            step, tokens_seen, best_val = int(state["step"]), int(state["tokens"]), float(state["best_val_loss"])
+        if len(saved) == accelerator.num_processes:
+            restore_rng(ckpt, accelerator.process_index, ignore_rng)
+        elif fsdp:  # weights and optimizer are world-size free; the RNG streams are one per saved process
+            say(f"[hf-depth] checkpoint written by {len(saved)} process(es), resumed by {accelerator.num_processes}: "
+                "weights, optimizer and data position restored; per-process RNG states are not")
+        else:
+            raise UserError(f"checkpoint {str(ckpt)!r} was written by {len(saved)} process(es) and this run has "
+                            f"{accelerator.num_processes}: resume a `train.parallel: ddp` run with the same number "
+                            "of processes, or train with `train.parallel: fsdp2` (sharded, world-size free checkpoints)")
+        if main_proc and metrics_path.exists():  # drop what was logged after the checkpoint (and a torn line)
+            rows = read_metrics(metrics_path, drop_torn=True)
             metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
         say(f"[hf-depth] resumed from {ckpt} at step {step}")
     elif main_proc:
@@ -222,8 +365,36 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
             accelerator.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def checkpoint():
-        trainer_state = {"step": step, "tokens": tokens_seen, "best_val_loss": best_val, "plan": p}
-        save_checkpoint(accelerator, run_dir, step, trainer_state, train_stream.state_dict(), t.keep_last)
+        trainer_state = {"step": step, "tokens": tokens_seen, "best_val_loss": best_val, "plan": p,
+                         "processes": accelerator.num_processes, "parallel": t.parallel}
+        save_checkpoint(accelerator, run_dir, step, trainer_state, train_stream.state_dict(), t.keep_last,
+                        sharded=(model, optimizer) if fsdp else None)
+
+    def last_good() -> str:
+        found = checkpoints(run_dir)
+        return str(found[-1]) if found else "none (no step was saved)"
+
+    def unsaveable(evaluated_loss: float | None) -> str | None:
+        """Why the current weights must not be saved (non-finite parameters, or a non-finite loss on one
+        held-out batch with them), else None. Runs on every process (the reduce is collective)."""
+        finite = torch.tensor(float(params_finite(model)), device=accelerator.device)
+        if accelerator.reduce(finite, reduction="min").item() < 1:
+            return "non-finite weights"
+        if evaluated_loss is None:  # the loss of this step's batch was computed with the weights before it
+            model.eval()
+            with torch.no_grad(), accelerator.autocast():
+                x = val[: t.micro_batch_size].to(accelerator.device)
+                probe = model(input_ids=x, labels=x).loss.detach().float() if len(x) else torch.zeros(())
+            model.train()
+            probe = accelerator.reduce(probe.to(accelerator.device).reshape(1), reduction="sum")
+            evaluated_loss = probe.item()
+        if not math.isfinite(evaluated_loss):
+            return f"a non-finite held-out loss ({evaluated_loss})"
+        return None
+
+    def stop_diverged(what: str) -> str:
+        return (f"{what} at step {step}: stopped without saving them; the last good checkpoint is {last_good()} "
+                f"(continue from it with a lower learning rate: hf-depth train RECIPE --resume optim.lr=...)")
 
     bar = None
     if main_proc and t.progress:
@@ -237,7 +408,7 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         if stop_after is not None and step >= stop_after:
             status = "interrupted"
             break
-        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac)
+        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac, o.schedule, o.decay_frac)
         for g in optimizer.param_groups:
             g["lr"] = lr * g["lr_scale"]
         loss_sum = 0.0
@@ -245,39 +416,56 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
             x = train_stream.next_batch(t.micro_batch_size).to(accelerator.device)
             with accelerator.accumulate(model):
                 loss = lm_loss(model, x)
-                if not torch.isfinite(loss.detach()).all():
+                bad = distributed.ranks_where(not torch.isfinite(loss.detach()).all(), accelerator.device)
+                if bad:  # every rank sees the same list, so all stop here together
                     status = "diverged"
-                    message = (f"non-finite loss ({loss.item()}) at step {step + 1}: stopped; the last good checkpoint "
-                               f"is {checkpoints(run_dir)[-1] if checkpoints(run_dir) else 'none (no step was saved)'}")
+                    last = checkpoints(run_dir)
+                    message = (f"non-finite loss at step {step + 1} on rank(s) {bad}: stopped; the last good "
+                               f"checkpoint is {last[-1] if last else 'none (no step was saved)'}")
                     break
                 accelerator.backward(loss)
                 grad_norm = None
                 if accelerator.sync_gradients and o.grad_clip > 0:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), o.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                    # the update would poison every weight (fp16: the grad scaler skips such steps itself)
+                    norm = distributed.full_value(grad_norm)
+                    if mixed != "fp16" and not math.isfinite(norm):
+                        status = "diverged"
+                        message = (f"non-finite gradient norm ({norm}) at step {step + 1}: stopped before "
+                                   f"the update; the last good checkpoint is {last_good()}")
+                        break
+                if accelerator.sync_gradients:  # a prepared optimizer skips the others itself; a sharded one not
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.item() / t.grad_accum
         if status == "diverged":
             break
+        loss_sum = distributed.mean_over_ranks(loss_sum, accelerator.device)  # the global batch's loss
         step += 1
         tokens_seen += p["tokens_per_step"]
         window_tokens += p["tokens_per_step"]
         row = {"step": step, "tokens": tokens_seen, "loss": loss_sum, "lr": lr}
         if grad_norm is not None:
-            row["grad_norm"] = float(grad_norm)
+            row["grad_norm"] = distributed.full_value(grad_norm)
         tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
         if step % t.log_every == 0 or step == p["steps"]:
             row["tokens_per_s"] = tps
             window_start, window_tokens = time.perf_counter(), 0
+        evaluated = None
         if step % t.eval_every == 0 or step == p["steps"]:
-            val_loss = evaluate(accelerator, model, val, t.micro_batch_size, t.eval_batches)
-            best_val = min(best_val, val_loss)
+            val_loss = evaluated = evaluate(accelerator, model, val, t.micro_batch_size, t.eval_batches)
+            if math.isfinite(val_loss):
+                best_val = min(best_val, val_loss)
             row["val_loss"] = val_loss
         log(row)
         if bar is not None:
             bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tps:,.0f}", lr=f"{lr:.2e}", refresh=False)
             bar.update(1)
         if step % t.save_every == 0 or step == p["steps"]:
+            why = unsaveable(evaluated)
+            if why is not None:
+                status, message = "diverged", stop_diverged(why)
+                break
             checkpoint()
     if bar is not None:
         bar.close()
@@ -288,17 +476,20 @@ def run(recipe: Recipe, resume: bool = False, stop_after: int | None = None) -> 
         "params": n_params, "lr": o.lr, "steps": step, "tokens": tokens_seen, "final_loss": None,
         "final_val_loss": val_loss, "best_val_loss": best_val if math.isfinite(best_val) else None,
         "tokens_per_s": tps, "message": message,
+        "train_flops": training_flops(config, tokens_seen, recipe.data.seq_len),
+        "scale_vector": recipe.model.scale_vector,
     }
     if status == "diverged":
         say(f"[hf-depth] ERROR: {message}")
     elif status == "finished":
         accelerator.wait_for_everyone()
+        state_dict = distributed.full_state_dict(model) if fsdp else accelerator.get_state_dict(model)
         if main_proc:
             final = run_dir / "final"
-            accelerator.unwrap_model(model).save_pretrained(final, state_dict=accelerator.get_state_dict(model))
+            accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict)
             tokenizer.save_pretrained(final)
     if main_proc and status != "interrupted":
-        rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+        rows = read_metrics(metrics_path, drop_torn=True)
         summary["final_loss"] = rows[-1]["loss"] if rows else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     if trackers:
@@ -323,17 +514,23 @@ def _flat(d: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``hf-depth train``: exit 0 finished, 1 diverged, 2 bad input (one line, see ``hf_depth.errors``)."""
+    return run_command("train", _main, argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hf-depth train", description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", help="recipe YAML (see recipes/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=256 optim.lr=1e-3")
     ap.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    ap.add_argument("--resume-ignore-rng", action="store_true",
+                    help="resume even if the checkpoint's RNG state cannot be restored (not reproducible)")
     a = ap.parse_intermixed_args(argv)  # overrides may come after options
     try:
         recipe = load_recipe(a.recipe, a.overrides)
     except ValueError as e:
-        print(f"hf-depth train: bad recipe: {e}", file=sys.stderr)
-        return 2
-    summary = run(recipe, resume=a.resume)
+        raise UserError(f"bad recipe: {e}") from e
+    summary = run(recipe, resume=a.resume, ignore_rng=a.resume_ignore_rng)
     if summary["status"] == "diverged":
         print(f"hf-depth train: {summary['message']}", file=sys.stderr)
         return 1
