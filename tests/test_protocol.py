@@ -260,7 +260,7 @@ def test_olmo_core_deepnorm_converts_bias_free_on_request():
     model = tiny_model("deepnorm", num_hidden_layers=2, deepnorm_norm_bias=False, deepnorm_final_norm="rms")
     sd = hf_depth_to_olmo_core(model)
     assert not any(k.endswith("attention_norm.bias") for k in sd)
-    conv = olmo_core_to_hf_depth(sd, "deepnorm", deepnorm_norm_bias=False, num_attention_heads=4,
+    conv = olmo_core_to_hf_depth(sd, "deepnorm", deepnorm_norm_bias=False, num_attention_heads=4, rope_theta=10000.0, rms_norm_eps=1e-6,
                                  num_key_value_heads=2)
     assert conv.config.deepnorm_norm_bias is False
     x = torch.randint(2, 97, (2, 7))

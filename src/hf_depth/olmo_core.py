@@ -945,16 +945,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--design is required (no block name in a config JSON)")
     if design != "attnres" and _design_name(design, fields) != "block_attnres":
         fields.pop("attnres_block_size", None)
-    try:
-        refuse_to_guess(design, fields, how="--set FIELD=VALUE")
-    except ValueError as e:
-        print(f"hf-depth convert-olmo-core: {e}", file=sys.stderr)
-        return 2
     from .errors import reading
 
     with reading(a.src, "the OLMo-core checkpoint", "give a .pt/.safetensors state dict, or a (distributed) "
                  "checkpoint folder; a truncated file: re-save or re-download it"):
         sd = load_state_dict(a.src)
+    try:
+        refuse_to_guess(design, fields, how="--set FIELD=VALUE")
+    except ValueError as e:
+        print(f"hf-depth convert-olmo-core: {e}", file=sys.stderr)
+        return 2
     dtype = getattr(torch, a.dtype) if a.dtype else None
     try:
         model = olmo_core_to_hf_depth(sd, design, mhc_backend=mhc_backend, sinkhorn_tau=sinkhorn_tau, dtype=dtype,
