@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parent / "train"
 SOURCE = "DepthBench configs/README.md @f807aa27"
 DEPTHBENCH_DESIGNS = ("pre_ln", "sandwich_ln", "lns", "deepnorm", "keel", "hc", "mhc", "attnres", "block_attnres", "moda")
 WIDER_RANGE = ("pre_ln", "hc", "attnres")  # DepthBench Figures 2 (right) and 3: the designs of the extra suites
-LR = {"lns": 1e-2, "deepnorm": 1e-3}  # DepthBench Table 4; everything else 2e-3
 
 # (config, layers, hidden, intermediate) per table of DepthBench's configs/README.md
 TABLES = {
@@ -102,7 +101,7 @@ def depthbench(n: int = 0) -> int:
                 designs = WIDER_RANGE
             for design in designs:
                 gqa = {"num_key_value_heads": 8} if table == "1.6B" else {}
-                lr = 5e-4 if table == "1.6B" else LR.get(design, 2e-3)
+                lr = 5e-4 if table == "1.6B" else DESIGNS[design].lr  # Design.lr: DepthBench Table 4
                 name = f"{design}_L{L}" if folder != "multiscale" else f"{design}_{tier(config)}_L{L}"
                 r = recipe(name, design, L, d, lr, STEPS[tier(config)], intermediate_size=f, **gqa)
                 if table == "1.6B":

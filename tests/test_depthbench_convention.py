@@ -37,7 +37,7 @@ from hf_depth.models import design_attnres
 from hf_depth.models.design_attnres import AttnResStream
 from hf_depth.models.design_hc import MultiStream
 from hf_depth.models.design_hires import HiResStream
-from hf_depth.models.design_moda import MoDADecoderLayer
+from hf_depth.models.design_moda import MoDAConnection
 
 DESIGNS = sorted(hf_depth.DESIGNS)
 L = 4
@@ -92,16 +92,16 @@ def mix_query(model, idx):
 @contextlib.contextmanager
 def intercept_mix(interceptor):
     """Route every depth-softmax call of the AttnRes modules through ``interceptor(original, query, ...)``."""
-    original = design_attnres.depth_softmax
+    original = design_attnres.depth_aggregate
 
-    def wrapped(query, gamma, sources, eps):
-        return interceptor(original, query, gamma, sources, eps)
+    def wrapped(query, gamma, sources, eps, stable=None):
+        return interceptor(lambda q, g, s, e: original(q, g, s, e, stable), query, gamma, sources, eps)
 
-    design_attnres.depth_softmax = wrapped
+    design_attnres.depth_aggregate = wrapped
     try:
         yield
     finally:
-        design_attnres.depth_softmax = original
+        design_attnres.depth_aggregate = original
 
 
 def plain_output(out):
@@ -152,10 +152,10 @@ def ref_skip(model, idx):
             if self.attn_connection.aggregate is not None:
                 self.attn_connection.aggregate(state)  # form the input mix, so z_idx is observed
             return state
-    elif isinstance(layer, MoDADecoderLayer):
+    elif isinstance(layer.attn_connection, MoDAConnection):
         def skipped(self, state, *args, **kwargs):
-            h = state[0]
-            zero = torch.zeros(h.shape[0], self.num_kv_heads, h.shape[1], self.head_dim, dtype=h.dtype)
+            h, c = state[0], self.attn_connection
+            zero = torch.zeros(h.shape[0], c.num_kv_heads, h.shape[1], c.head_dim, dtype=h.dtype)
             writes = 2 if idx < L - 1 else 1  # attention K/V, and the FFN's unless the last block
             return tuple(state) + (zero, zero) * writes
     else:

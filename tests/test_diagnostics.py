@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import batch, tiny_model
+from helpers import batch, tiny_config, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 import hf_depth
@@ -196,7 +196,7 @@ def hc_init(n, S):
         A = torch.zeros(n, n + 1)
         A[s % n, 0] = 1
         A[:, 1:] = torch.eye(n)
-        out[s] = {"A": A, "beta": torch.ones(n)}
+        out[s] = {"pre": A[:, 0], "res": A[:, 1:].T, "post": torch.ones(n)}
     return out
 
 
@@ -215,8 +215,8 @@ def test_hc_transport_at_init_and_effective_rank():
 def test_mhc_uniform_transport_has_rank_one_and_formats_agree():
     n, S = 4, 4
     J = torch.full((n, n), 1.0 / n)
-    mhc = {s: {"H_pre": torch.full((n,), 1.0 / n), "H_post": torch.ones(n), "H_res": J} for s in range(S)}
-    canon = {s: {"read": w["H_pre"], "mix": w["H_res"], "write": w["H_post"]} for s, w in mhc.items()}
+    mhc = {s: {"pre": torch.full((n,), 1.0 / n), "post": torch.ones(n), "res": J} for s in range(S)}
+    canon = {s: {"read": w["pre"], "mix": w["res"], "write": w["post"]} for s, w in mhc.items()}
     mask = torch.ones(1, 3, dtype=torch.bool)
     a, b = paths.PathAccumulator(S), paths.PathAccumulator(S)
     a.add(mhc, mask)
@@ -311,9 +311,10 @@ def test_cli_writes_report_and_plots(design, tmp_path, capsys):
 # ------------------------------------------------------------------ a constructed HC design (HC lives on another branch)
 def fake_hc_model(n=4, layers=3):
     """A minimal dynamic-HC design built from ``functional.hc_*`` at its published init (one-hot read, A_r = I,
-    beta = 1, dynamic weights 0), exposing ``path_weights() -> {"A", "beta"}`` per token."""
+    beta = 1, dynamic weights 0), exposing ``path_weights() -> {"pre", "res", "post"}`` per token."""
     from torch import nn
 
+    from hf_depth.models.design_hc import hc_extra_flops
     from hf_depth.models.design_pre_ln import PreLNConfig
     from hf_depth.models.functional import hc_coefficients, hc_depth, hc_width
     from hf_depth.models.modeling_depth import DepthForCausalLM, DepthModel
@@ -321,7 +322,8 @@ def fake_hc_model(n=4, layers=3):
 
     class FakeHCConfig(PreLNConfig):
         model_type = "hf_depth_fake_hc"
-        design = "hc"
+        design = "fake_hc"
+        num_streams = n
 
     class Conn(SublayerConnection):
         def __init__(self, config, s):
@@ -338,15 +340,15 @@ def fake_hc_model(n=4, layers=3):
         def read(self, state, norm):
             A, beta = hc_coefficients(state, self.static_alpha, self.dynamic_alpha, self.scale, self.static_beta,
                                       self.dynamic_beta, self.scale)
-            x, self._mixed = hc_width(state, A)
+            x, mixed = hc_width(state, A)
             self._A, self._beta = A, beta
-            return norm(x)
+            return norm(x), (mixed, beta)
 
-        def write(self, state, out):
-            return hc_depth(self._mixed, self._beta, out)
+        def write(self, state, out, carry):
+            return hc_depth(*carry, out)
 
         def path_weights(self):
-            return {"A": self._A, "beta": self._beta}
+            return {"pre": self._A[..., 0], "res": self._A[..., 1:].transpose(-1, -2), "post": self._beta}
 
     class Stream(ResidualStream):
         def init(self, embeds):
@@ -355,10 +357,18 @@ def fake_hc_model(n=4, layers=3):
         def collapse(self, state):
             return state.mean(-2)
 
-    design = Design("hc", FakeHCConfig, connection=Conn, stream=Stream)
-    base = type("FakeHCModel", (DepthModel,), {"config_class": FakeHCConfig, "design": design})
-    lm = type("FakeHCForCausalLM", (DepthForCausalLM,), {"config_class": FakeHCConfig, "design": design,
-                                                         "base_model_class": base})
+    class FakeHCModel(DepthModel):
+        config_class = FakeHCConfig
+
+    class FakeHCForCausalLM(DepthForCausalLM):
+        config_class = FakeHCConfig
+        base_model_class = FakeHCModel
+
+    design = Design("fake_hc", FakeHCConfig, FakeHCModel, FakeHCForCausalLM, connection=Conn, stream=Stream,
+                    param_roles={"dynamic_alpha": "routing_dynamic", "dynamic_beta": "routing_dynamic"},
+                    extra_flops=hc_extra_flops)
+    FakeHCModel.design = FakeHCForCausalLM.design = design  # bound without registering (what `register` does)
+    lm = FakeHCForCausalLM
     from helpers import TINY
 
     torch.manual_seed(0)
@@ -394,3 +404,36 @@ def test_real_hc_at_init_transports_the_identity():
     res = paths.residual_paths(model, data(), show_progress=False)
     assert res["kind"] == "transport" and "dead_layers" not in res
     assert res["erank_final"] == pytest.approx(model.config.hc_streams, rel=1e-4)  # A_r = I at init
+
+
+@pytest.mark.parametrize("design,kw", [
+    ("hires", {"hires_block_layers": 1}),
+    ("hires", {"hires_block_layers": 2, "hires_final": "outer", "hires_embed": "project"}),
+    ("block_attnres", {"attnres_block_size": 2}),
+    ("moda", {}),
+])
+def test_analytic_flops_match_flop_counter_multi_block(design, kw):
+    """Multi-block HiRes (its read/write projections are F.linear matmuls) and Block AttnRes with S > 1."""
+    model = tiny_model(design, num_hidden_layers=3, attn_implementation="eager", **kw)
+    T, B = 24, 2
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(2, 97, (B, T)), use_cache=False)
+    f = cost.prefill_flops(model.config, T, model)
+    assert f["total_matmul"] * B == pytest.approx(counter.get_total_flops(), rel=0.02)
+    assert cost.prefill_flops(model.config, T)["extra_matmul"] == f["extra_matmul"]  # analytic: no model needed
+    if design == "hires":
+        assert f["extra_matmul"] > 0
+
+
+def test_block_attnres_flops_follow_its_block_size():
+    """Block AttnRes counts its own sources (S = 2 sublayers: 1 + ceil(s / 2) per aggregation), not Full's."""
+    T, d = 16, 32
+    block = cost.prefill_flops(tiny_config("block_attnres", num_hidden_layers=3, attnres_block_size=2), T)
+    full = cost.prefill_flops(tiny_config("attnres", num_hidden_layers=3), T)
+    assert block["extra_other"] == 4 * T * d * sum(1 + -(-s // 2) for s in range(7)) == 4 * T * d * 19
+    assert full["extra_other"] == 4 * T * d * sum(s + 1 for s in range(7))
+    # the schedule default (no explicit size) is read through the config, not the raw field
+    cfg = tiny_config("block_attnres", num_hidden_layers=16)
+    assert cfg.attnres_block_size is None and cfg.attnres_block_sublayers == 4
+    S = cfg.attnres_block_sublayers
+    assert cost.prefill_flops(cfg, T)["extra_other"] == 4 * T * d * sum(1 + -(-s // S) for s in range(33))

@@ -151,11 +151,11 @@ def test_mhc_routing_under_bf16_autocast_matches_fp32():
     H = random_state(cfg)
     y = torch.randn(2, 5, cfg.hidden_size)
     with torch.no_grad():
-        conn.read(H, None)
-        ref = conn.write(H, y)
+        _, carry = conn.read(H, None)
+        ref = conn.write(H, y, carry)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            x = conn.read(H, None)
-            out = conn.write(H, y)
+            x, carry = conn.read(H, None)
+            out = conn.write(H, y, carry)
     assert x.dtype == torch.float32 and out.dtype == torch.float32  # the residual stays fp32 under AMP
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
@@ -288,8 +288,8 @@ class _ReadWrite(torch.nn.Module):
         self.conn = conn
 
     def forward(self, H, y):
-        x = self.conn.read(H, None)
-        return x, self.conn.write(H, y)
+        x, carry = self.conn.read(H, None)
+        return x, self.conn.write(H, y, carry)
 
 
 # ------------------------------------------------------------------------------------- checkpoints

@@ -155,8 +155,8 @@ def test_hub_folder_complete_and_loads_without_package(tmp_path, tokenizer):
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["auto_map"] == {
         "AutoConfig": "design_sandwich.SandwichLNConfig",
-        "AutoModel": "modeling_depth.SandwichLNModel",
-        "AutoModelForCausalLM": "modeling_depth.SandwichLNForCausalLM",
+        "AutoModel": "design_sandwich.SandwichLNModel",  # classes live in their design file (issue 15)
+        "AutoModelForCausalLM": "design_sandwich.SandwichLNForCausalLM",
     }
     ids = tokenizer("The quick brown fox", return_tensors="pt")
     want = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id)

@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from .models.modeling_depth import MODEL_CLASSES
-from .models.registry import DESIGNS
+from .models.registry import DESIGNS, MODEL_CLASSES
 
 # Fields with the same name and meaning in LlamaConfig and DepthConfig.
 SHARED_FIELDS = (

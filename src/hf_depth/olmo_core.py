@@ -149,8 +149,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.modeling_depth import MODEL_CLASSES
-from .models.registry import DESIGNS
+from .models.registry import DESIGNS, MODEL_CLASSES
 from .utils import DROP, flatten_dict
 
 #: DepthBench ``TransformerBlockType`` -> hf_depth design name

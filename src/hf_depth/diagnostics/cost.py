@@ -8,9 +8,9 @@ and measured activation memory, peak memory and tokens/s on the current device.
 * ``attention_full``: ``Q K^T`` and ``P V`` over the full ``T x T`` square, ``4 T^2 H hd`` per layer (what a FLOP
   counter sees for eager or SDPA attention); ``attention_causal`` counts only the ``T (T + 1) / 2`` visible pairs;
 * ``lm_head``: ``2 T d V``;
-* ``extra_matmul``: the design's routing matmuls, from ``EXTRA_FLOPS[design]`` (or a design's own
-  ``Design.extra["flops"](config, T) -> {"matmul": int, "other": int}``, which takes precedence), with a generic
-  fallback that counts every ``nn.Linear`` of the model outside the standard projections;
+* ``extra_matmul``: the design's routing matmuls, declared by the design itself
+  (``Design.extra_flops(config, T, model) -> {"matmul": int, "other": int}``, in its ``design_<name>.py``); the
+  default counts every ``nn.Linear`` of the model outside the standard projections;
 * ``extra_other``: design work that is not a matmul (AttnRes depth softmax and weighted sums, MoDA's depth
   attention, HC's matrix-vector beta), reported apart.
 
@@ -31,9 +31,9 @@ import time
 import torch
 from torch import nn
 
+from ..models.residual import DESIGNS
+from ..models.residual import extra_linear_flops as _extra_linear_flops
 from .adapters import adapter_class, is_hf_depth
-
-STANDARD_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
 
 def _dims(config) -> dict:
@@ -49,93 +49,29 @@ def _design_name(config) -> str:
     return getattr(config, "design", None) or getattr(config, "model_type", "llama")
 
 
+def _design(config, model: nn.Module | None = None):
+    """The ``Design`` of ``model`` (its class's), else the registered one of ``config`` (``None`` for a
+    non-hf_depth model, e.g. Llama)."""
+    own = getattr(type(model), "design", None) if model is not None else None
+    if own is not None:
+        return own
+    name = getattr(config, "design", None)
+    return DESIGNS.get(name) if isinstance(name, str) else None
+
+
 def extra_linear_flops(model: nn.Module | None, T: int) -> int:
     """2 T in out for every ``nn.Linear`` of ``model`` that is not a standard projection or the LM head."""
-    if model is None:
-        return 0
-    total = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name.split(".")[-1] not in STANDARD_LINEARS:
-            total += 2 * T * mod.in_features * mod.out_features
-    return total
-
-
-def _streams(config) -> int:
-    for name in ("hc_streams", "mhc_streams", "num_streams", "hc_mult"):
-        v = getattr(config, name, None)
-        if isinstance(v, int):
-            return v
-    return 4
-
-
-def _hc(config, T, model=None) -> dict:
-    """HC (functional.hc_*): per sublayer N̄(H) W_alpha [n, d] x [d, n + 1], branch read and stream mix (einsum)."""
-    n, g = _streams(config), _dims(config)
-    d, S = g["d"], 2 * g["L"]
-    per = 2 * T * n * d * (n + 1) + 2 * T * n * d + 2 * T * n * n * d
-    return {"matmul": S * per, "other": S * 2 * T * n * d}  # other: N̄(H) w_beta is a matrix-vector product
-
-
-def _mhc(config, T, model=None) -> dict:
-    """mHC (functional.mhc_*): per sublayer vec(H) phi [n d] x [n d, n^2 + 2n], read and H_res mix (einsum)."""
-    n, g = _streams(config), _dims(config)
-    d, S = g["d"], 2 * g["L"]
-    per = 2 * T * n * d * (n * n + 2 * n) + 2 * T * n * d + 2 * T * n * n * d
-    sinkhorn = 2 * getattr(config, "mhc_sinkhorn_iters", 20) * 3 * n * n * T
-    return {"matmul": S * per, "other": S * sinkhorn}
-
-
-def _attnres_sources(config) -> list[int]:
-    """Number of depth-softmax sources of each sublayer input (and of the final aggregation)."""
-    S = 2 * config.num_hidden_layers
-    bs = getattr(config, "attnres_block_size", 1) or 1
-    if bs <= 1:
-        return [s + 1 for s in range(S + 1)]
-    return [1 + s // bs + (1 if s % bs else 0) for s in range(S + 1)]
-
-
-def _attnres(config, T, model=None) -> dict:
-    """AttnRes (functional.depth_softmax): logits <w, N̄(v_i)> and the weighted sum, elementwise (not matmuls)."""
-    d = config.hidden_size
-    return {"matmul": 0, "other": sum(4 * T * k * d for k in _attnres_sources(config))}
-
-
-def _moda(config, T, model=None) -> dict:
-    """MoDA: the FFN K/V projections are Linear layers (fallback count); the depth part of the combined softmax
-    adds Q K^T and P V over the 2i earlier depth slots of block i (counted as other: kernel-specific)."""
-    g = _dims(config)
-    depth = sum(4 * T * g["H"] * g["hd"] * (2 * i) for i in range(1, g["L"]))
-    return {"matmul": extra_linear_flops(model, T), "other": depth}
-
-
-EXTRA_FLOPS = {
-    "hc": _hc,
-    "mhc": _mhc,
-    "attnres": _attnres,
-    "full_attnres": _attnres,
-    "block_attnres": _attnres,
-    "moda": _moda,
-    "post_norm_moda": _moda,
-}
-"""Design name -> ``fn(config, T, model) -> {"matmul": int, "other": int}`` (extra FLOPs over Pre-LN per sequence).
-Designs not listed (Pre-LN family: 0; HiRes and new designs) fall back to counting their extra ``nn.Linear``."""
+    return _extra_linear_flops(None, T, model)["matmul"]
 
 
 def design_extra_flops(config, T: int, model: nn.Module | None = None) -> dict:
+    """The design's own count (``Design.extra_flops``); other hf_depth models: their non-standard ``nn.Linear``;
+    a Hub family (fused or Conv1D projections): no design extras."""
     if not is_hf_depth(config):
-        return {"matmul": 0, "other": 0}  # a Hub family (fused or Conv1D projections): no design extras
-    name = _design_name(config)
-    try:
-        from ..models.registry import DESIGNS
-
-        own = DESIGNS[name].extra.get("flops") if name in DESIGNS else None
-    except Exception:  # pragma: no cover - registry always importable inside the package
-        own = None
-    if own is not None:
-        return dict(own(config, T))
-    if name in EXTRA_FLOPS:
-        return EXTRA_FLOPS[name](config, T, model)
-    return {"matmul": extra_linear_flops(model, T), "other": 0}
+        return {"matmul": 0, "other": 0}
+    design = _design(config, model)
+    count = design.extra_flops if design is not None else _extra_linear_flops
+    return dict(count(config, T, model))
 
 
 def prefill_flops(config, seq_len: int = 4096, model: nn.Module | None = None) -> dict:
@@ -161,11 +97,13 @@ def prefill_flops(config, seq_len: int = 4096, model: nn.Module | None = None) -
 
 
 def kv_cache_bytes(config, seq_len: int = 4096, batch: int = 1, bytes_per: int = 2) -> dict:
-    """KV cache of ``batch`` sequences of ``seq_len`` tokens; MoDA adds its depth K/V buffers
-    ``[B, T, 2L, kv_heads, hd]`` (one slot per sublayer, K and V)."""
+    """KV cache of ``batch`` sequences of ``seq_len`` tokens, plus the design's own buffers
+    (``Design.extra_kv_bytes``: MoDA's depth K/V)."""
     g = _dims(config)
     seq = 2 * g["L"] * seq_len * g["kv"] * bytes_per * batch
-    depth = 2 * (2 * g["L"]) * seq_len * g["kv"] * bytes_per * batch if "moda" in _design_name(config) else 0
+    design = _design(config)
+    extra = design.extra_kv_bytes if design is not None else None
+    depth = extra(config, seq_len, batch, bytes_per) if extra is not None else 0
     return {"sequence_kv": seq, "depth_kv": depth, "total": seq + depth}
 
 

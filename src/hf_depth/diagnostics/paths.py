@@ -10,12 +10,9 @@ after it). Recognized formats:
   ``"members": [K, S + 1]``: which base sources each aggregation source sums (column 0 = embedding, column
   ``i + 1`` = output of sublayer ``i``; Block AttnRes: a block sum has ones on its sublayers). Without
   ``members``, ``K == s + 1`` means Full AttnRes order ``[embedding, out_0, ..., out_{s-1}]``.
-* **hf_depth HC / mHC connections**: ``{"pre": [n], "res": [n, n], "post": [n]}`` (token means of the last
-  forward; ``static_*`` copies are ignored) = the canonical transport below.
-* **HC**: ``{"A": [..., n, n + 1], "beta": [..., n]}`` with ``x = sum_s A[s, 0] H_s`` and
-  ``H'_t = sum_s A[s, t + 1] H_s + beta_t y`` (``functional.hc_width`` / ``hc_depth``).
-* **mHC**: ``{"H_pre": [..., n], "H_post": [..., n], "H_res": [..., n, n]}`` with ``x = H_pre . H`` and
-  ``H' = H_res H + H_post y`` (``functional.mhc_width`` / ``mhc_depth``).
+* **hf_depth HC / mHC connections**: ``{"pre": [..., n], "res": [..., n, n], "post": [..., n]}`` with
+  ``x = pre . H`` and ``H'_t = sum_s res[t, s] H_s + post_t y`` (``static_*`` copies are ignored) = the
+  canonical transport below.
 * **canonical transport** (what HC and mHC are converted to): ``{"read": [..., n], "mix": [..., n, n],
   "write": [..., n]}`` with ``x = read . H`` and ``H' = mix H + write y``; optional ``"init": [n]`` (embedding
   coefficient of each stream, default all ones: the embedding is replicated into every stream).
@@ -49,16 +46,11 @@ def _tokens(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def to_transport(w: dict) -> dict | None:
-    """HC / mHC / canonical path weights -> ``{"read", "mix", "write"[, "init"]}``; None if not a transport."""
+    """hf_depth HC / mHC or canonical path weights -> ``{"read", "mix", "write"[, "init"]}``; None if not a transport."""
     if {"read", "mix", "write"} <= w.keys():
         return w
     if {"pre", "res", "post"} <= w.keys():  # hf_depth's HC / mHC connections (token means of the last forward)
         return {"read": w["pre"], "mix": w["res"], "write": w["post"]}
-    if {"A", "beta"} <= w.keys():
-        A = w["A"]
-        return {"read": A[..., 0], "mix": A[..., 1:].transpose(-1, -2), "write": w["beta"]}
-    if {"H_pre", "H_post", "H_res"} <= w.keys():
-        return {"read": w["H_pre"], "mix": w["H_res"], "write": w["H_post"]}
     return None
 
 

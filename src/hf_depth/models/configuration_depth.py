@@ -185,7 +185,10 @@ class DepthConfig(PretrainedConfig):
         init_cutoff_factor: truncation of that init, in stds (DepthBench: 3).
         scale_vector: the RMSNorm scale-vector variant, ``standard`` (Llama), ``none`` or a ``+``-joined
             combination of HG, AP/DP/DNP, OR/ER (see ``norms.py``); ``best`` = ``HG+DNP+OR``.
-        attention_bias: biases on q/k/v/o (DepthBench: False).
+        attention_bias: biases on q/k/v/o (DepthBench: False; Llama's ``attention_bias``).
+        qkv_bias: biases on q/k/v only, none on o (Qwen2's attention); exclusive with ``attention_bias``.
+        use_qk_norm: a per-head RMSNorm (width ``head_dim``, eps ``rms_norm_eps``, weights ``q_norm`` /
+            ``k_norm``) on the queries and keys after their projection and before RoPE (Qwen3's attention).
         attention_dropout: dropout on attention probabilities.
         tie_word_embeddings: must stay False (DepthBench uses untied embeddings).
     """
@@ -209,6 +212,8 @@ class DepthConfig(PretrainedConfig):
     init_cutoff_factor: float = 3.0
     scale_vector: str = "standard"
     attention_bias: bool = False
+    qkv_bias: bool = False
+    use_qk_norm: bool = False
     attention_dropout: float = 0.0
     hidden_act: str = "silu"
     use_cache: bool = True
@@ -297,6 +302,9 @@ class DepthConfig(PretrainedConfig):
         if not isinstance(self.attention_dropout, (int, float)) or not 0 <= self.attention_dropout < 1:
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}")
         _choice("hidden_act", self.hidden_act, ("silu",))
+        if self.attention_bias and self.qkv_bias:
+            raise ValueError("`qkv_bias` (biases on q/k/v, Qwen2) and `attention_bias` (biases on q/k/v/o, Llama) "
+                             "exclude each other: set at most one of them to True")
         if self.tie_word_embeddings:
             raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings (DepthBench)")
         parse_scale_vector(self.scale_vector)

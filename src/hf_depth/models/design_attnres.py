@@ -34,9 +34,11 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice
-from .dispatch import depth_softmax, rms_norm
+from .depth_ops import SourceBank, depth_aggregate
+from .dispatch import rms_norm
+from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
-from .residual import Design, ResidualStream, SublayerConnection
+from .residual import Design, ResidualStream, SublayerConnection, register
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
 
@@ -48,12 +50,19 @@ class AttnResConfig(DepthConfig):
     Args:
         attnres_norm_eps: eps of the aggregation key norms and of the norm of each aggregation's output;
             ``None`` (default) uses ``rms_norm_eps``. DepthBench checkpoints: 1e-5 (OLMo-core's default).
+        attnres_scale_by_sources: multiply each depth mix by its number of sources K (a constant of the
+            sublayer) before its norm. With zero queries the mix is then the plain sum of the sources, i.e. the
+            Pre-LN residual stream, and the model equals Pre-LN exactly, eps included (the default mean, 1/K of
+            it, equals Pre-LN only up to eps: N(h / K) != N(h) where |h|^2 / d is not >> K^2 eps).
+            ``hf_depth.upcycle`` sets it so that an upcycled model computes its source's function. Default
+            False: the paper's and DepthBench's mean.
     """
 
     model_type = "hf_depth_attnres"
     design = "attnres"
 
     attnres_norm_eps: float | None = None
+    attnres_scale_by_sources: bool = False
 
     def validate_design(self):
         v = self.attnres_norm_eps
@@ -119,16 +128,21 @@ class BlockAttnResConfig(AttnResConfig):
         return max(1, math.ceil(2 * L / n))
 
 
+def source_groups(s: int, block_size: int) -> list[list[int]]:
+    """The one source layout: the sublayer outputs summed by each source read at sublayer ``s`` (``s = 2L``: the
+    final aggregation) after the embedding: groups of ``block_size`` consecutive outputs, the last one partial
+    when ``s`` is not a boundary."""
+    return [list(range(g, min(g + block_size, s))) for g in range(0, s, block_size)]
+
+
 def source_layout(config, sublayer_idx: int) -> tuple[int, bool]:
     """(completed sources, has partial) visible to sublayer ``sublayer_idx`` after any commit at its boundary.
 
     Completed sources count the embedding. Full AttnRes (S = 1): (s + 1, False).
     """
-    s, size = sublayer_idx, config.attnres_block_sublayers
-    if s == 0:
-        return 1, False
-    committed = 1 + (s - 1) // size + (1 if s % size == 0 else 0)  # embedding + blocks committed so far
-    return committed, s % size != 0
+    size = config.attnres_block_sublayers
+    partial = sublayer_idx % size != 0
+    return 1 + len(source_groups(sublayer_idx, size)) - partial, partial
 
 
 class DepthAggregation(nn.Module):
@@ -140,13 +154,18 @@ class DepthAggregation(nn.Module):
         # an Input-Norm (its gamma folds into the query) with one consumer: it keeps its gamma under HG/AP
         self.key_norm = make_norm(config, role="input", final=True)
         self.eps = config.attnres_eps
+        self.scale_by_sources = bool(getattr(config, "attnres_scale_by_sources", False))
         self._last_weights: torch.Tensor | None = None
 
     def reset_design_parameters(self):
         init.zeros_(self.query)  # the paper's init; survives every sweep (init.* skips loaded weights)
 
-    def forward(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        out, p = depth_softmax(self.query, self.key_norm.gamma(), torch.stack(sources), self.eps)
+    def forward(self, sources: tuple[torch.Tensor, ...], stable: int | None = None) -> torch.Tensor:
+        """``sources[:stable]`` (default all) never change after this call; at most one partial sum follows.
+        Saved for backward: the sources once per forward (their bank), never a stacked copy per sublayer."""
+        out, p = depth_aggregate(self.query, self.key_norm.gamma(), sources, self.eps, stable)
+        if self.scale_by_sources:  # K * mean at zero queries: the plain sum of the sources (attnres_scale_by_sources)
+            out = out * len(sources)
         self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
         return out
 
@@ -166,10 +185,10 @@ class AttnResConnection(SublayerConnection):
 
     def read(self, state, norm):
         if self.aggregate is None:
-            return norm(state[0])
-        return aggregate_norm(norm, self.aggregate(state), self.aggregate.eps)
+            return norm(state[0]), None
+        return aggregate_norm(norm, self.aggregate(state, self.completed), self.aggregate.eps), None
 
-    def write(self, state, out):
+    def write(self, state, out, carry=None):
         # a sublayer that starts a block opens a new partial sum (the previous one stays behind as a completed
         # source); any other adds to the open one. S = 1: every output is its own source.
         if self.sublayer_idx % self.block_size != 0:
@@ -200,9 +219,12 @@ class AttnResStream(ResidualStream):
         super().__init__(config)
         self.aggregate = DepthAggregation(config)
         self.block_size, self.total = config.attnres_block_sublayers, config.num_sublayers
+        # most sources any aggregation reads (the final one reads them all)
+        self.capacity = max(sum(source_layout(config, s)) for s in range(self.total + 1))
 
     def init(self, embeds):
-        return (embeds,)
+        # the sources of this forward are kept once, in a bank hung on the embedding (see depth_ops.SourceBank)
+        return (SourceBank.attach(embeds, self.capacity, self.aggregate.eps),)
 
     def collapse(self, state):
         return torch.stack(state).sum(0)
@@ -233,7 +255,7 @@ def aggregate_norm(norm: nn.Module, x: torch.Tensor, eps: float) -> torch.Tensor
 def source_members(s: int, block_size: int, total: int) -> torch.Tensor:
     """[K, total + 1] 0/1 matrix: which base sources (column 0 = embedding, i + 1 = output of sublayer i) each of
     the K sources read by sublayer ``s`` sums: the embedding, then groups of ``block_size`` consecutive outputs."""
-    groups = [list(range(g, min(g + block_size, s))) for g in range(0, s, block_size)]
+    groups = source_groups(s, block_size)
     m = torch.zeros(1 + len(groups), total + 1)
     m[0, 0] = 1.0
     for k, members in enumerate(groups, start=1):
@@ -246,22 +268,67 @@ def attnres_extra_params(config) -> int:
     return config.num_sublayers * (config.hidden_size + norm_param_count(config, final=True))
 
 
-DESIGN = Design(
+def attnres_extra_flops(config, T: int, model=None) -> dict:
+    """AttnRes (functional.depth_softmax): per aggregation over k sources, the logits <w, N̄(v_i)> and the
+    weighted sum, 4 T k d, elementwise (not matmuls); every sublayer input and the final aggregation."""
+    size, d = config.attnres_block_sublayers, config.hidden_size
+    sources = [1 + len(source_groups(s, size)) for s in range(config.num_sublayers + 1)]
+    return {"matmul": 0, "other": sum(4 * T * k * d for k in sources)}
+
+
+class AttnResModel(DepthModel):
+    """Full AttnRes decoder (no LM head)."""
+
+    config_class = AttnResConfig
+
+
+class AttnResForCausalLM(DepthForCausalLM):
+    """Full AttnRes causal LM."""
+
+    config_class = AttnResConfig
+    base_model_class = AttnResModel
+
+
+class BlockAttnResModel(DepthModel):
+    """Block AttnRes decoder (no LM head)."""
+
+    config_class = BlockAttnResConfig
+
+
+class BlockAttnResForCausalLM(DepthForCausalLM):
+    """Block AttnRes causal LM."""
+
+    config_class = BlockAttnResConfig
+    base_model_class = BlockAttnResModel
+
+
+#: the pseudo-query w is decayed like a matrix (DepthBench decays everything but HC/mHC static routing)
+ATTNRES_PARAM_ROLES = {"query": "design"}
+
+DESIGN = register(Design(
     "attnres",
     AttnResConfig,
+    AttnResModel,
+    AttnResForCausalLM,
+    param_roles=ATTNRES_PARAM_ROLES,
     connection=AttnResConnection,
     stream=AttnResStream,
     extra_params=attnres_extra_params,
+    extra_flops=attnres_extra_flops,
     summary="x_l = N_l(sum_i softmax_i(<w_l, g_l N̄(v_i)>) v_i) over the embedding and every sublayer output",
     paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
-)
+))
 
-BLOCK_DESIGN = Design(
+BLOCK_DESIGN = register(Design(
     "block_attnres",
     BlockAttnResConfig,
+    BlockAttnResModel,
+    BlockAttnResForCausalLM,
+    param_roles=ATTNRES_PARAM_ROLES,
     connection=AttnResConnection,
     stream=AttnResStream,
     extra_params=attnres_extra_params,
+    extra_flops=attnres_extra_flops,
     summary="AttnRes over [embedding, completed block sums, partial sum]; blocks of S sublayers",
     paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
-)
+))

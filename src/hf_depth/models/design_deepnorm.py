@@ -10,8 +10,9 @@ LayerNorm has no bias; ``convert-olmo-core`` sets it for its checkpoints). Depth
 """
 
 from .configuration_depth import DepthConfig, _choice
+from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, SublayerConnection
+from .residual import Design, SublayerConnection, register
 
 _BETA_SCALED = ("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -76,7 +77,7 @@ class DeepNormConnection(SublayerConnection):
         self.alpha = config.alpha
         self.norm = make_norm(config, role="output")
 
-    def write(self, state, out):
+    def write(self, state, out, carry=None):
         return self.norm(self.alpha * state + out)
 
     def extra_repr(self):
@@ -87,9 +88,26 @@ def deepnorm_init_scale(config, layer_idx, name):
     return config.beta if name.split(".")[-1] in _BETA_SCALED else 1.0
 
 
-DESIGN = Design(
+class DeepNormModel(DepthModel):
+    """DeepNorm decoder (no LM head)."""
+
+    config_class = DeepNormConfig
+
+
+class DeepNormForCausalLM(DepthForCausalLM):
+    """DeepNorm causal LM."""
+
+    config_class = DeepNormConfig
+    base_model_class = DeepNormModel
+
+
+DESIGN = register(Design(
     "deepnorm",
     DeepNormConfig,
+    DeepNormModel,
+    DeepNormForCausalLM,
+    param_roles={},
+    lr=1e-3,  # DepthBench's swept best
     connection=DeepNormConnection,
     input_norm=lambda config, s: None,
     init_scale=deepnorm_init_scale,
@@ -102,4 +120,4 @@ DESIGN = Design(
     ),
     summary="h <- LN(alpha h + F(h)), alpha=(2L)^(1/4), init beta=(8L)^(-1/4)",
     paper="Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers (arXiv 2203.00555)",
-)
+))

@@ -40,8 +40,10 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
+from .depth_ops import stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
-from .residual import Design, ResidualStream, SublayerConnection
+from .modeling_depth import DepthForCausalLM, DepthModel
+from .residual import Design, ResidualStream, SublayerConnection, register
 
 FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
 ROUTING_ROLES = ("routing_static", "routing_dynamic", "routing_scale")
@@ -156,11 +158,10 @@ def _token_mean(v: torch.Tensor, trailing: int) -> torch.Tensor:
 
 
 class MultiStreamConnection(SublayerConnection, abc.ABC):
-    """``read`` computes the routing once and keeps (mixed streams, write weights) for the following ``write``.
+    """``read`` computes the routing once and hands (mixed streams, write weights) to ``write`` as its carry.
 
     Subclasses implement ``route(H) -> (x, mixed, write_weights, seen)`` where ``seen`` is a dict of routing
-    tensors whose token means ``path_weights`` reports. Gradient checkpointing re-runs read then write of the
-    same layer, so the hand-over stays consistent.
+    tensors whose token means ``path_weights`` reports (the last forward's, kept for diagnostics only).
 
     ``param_roles`` maps each routing parameter name of the module to ``"routing_static"`` (input-independent
     routing: no weight decay in DepthBench), ``"routing_dynamic"`` (projections producing input-dependent
@@ -172,7 +173,6 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
     def __init__(self, config, sublayer_idx: int):
         super().__init__(config, sublayer_idx)
         self.n = config.num_streams
-        self._pending = None
         self._seen: dict[str, torch.Tensor] | None = None
 
     @abc.abstractmethod
@@ -183,25 +183,22 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
     def static_weights(self) -> dict[str, torch.Tensor]:
         """The input-independent ``pre`` / ``res`` / ``post`` weights."""
 
-    def read(self, state: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
-        with routing_precision(state):
-            x, mixed, write_weights, seen = self.route(state)
-        self._pending = (mixed, write_weights)
+    def read(self, state: torch.Tensor, norm: nn.Module | None):
+        # saved for backward: H at segment starts, y and the write weights per sublayer (depth_ops.stream_route)
+        x, mixed, write_weights, seen = stream_route(self, self.sublayer_idx, state)
         if not torch.compiler.is_compiling():
             # last-seen weights (per token [B, T, ...] where input-dependent), for diagnostics only
             self._seen = {k: v.detach() for k, v in seen.items()}
-        return x if norm is None else norm(x)
+        return (x if norm is None else norm(x)), (mixed, write_weights)
 
-    def write(self, state: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self._pending is None:
-            raise RuntimeError(f"{type(self).__name__}.write called without a preceding read")
-        (mixed, write_weights), self._pending = self._pending, None
-        with routing_precision(mixed):
-            return self.depth(mixed, write_weights, out)
+    def write(self, state: torch.Tensor, out: torch.Tensor, carry) -> torch.Tensor:
+        mixed, write_weights = carry
+        return stream_write(self, self.sublayer_idx, mixed, write_weights, out)
 
     @abc.abstractmethod
     def depth(self, mixed, write_weights, out):
-        """Write the branch output ``out`` into the mixed streams."""
+        """Write the branch output ``out`` into the mixed streams: ``mixed + write_weights ⊗ out`` (the form
+        ``depth_ops`` differentiates by hand)."""
 
     def path_weights(self) -> dict[str, torch.Tensor]:
         """Mixing weights in one convention for HC and mHC (fp32, detached):
@@ -304,19 +301,50 @@ class HCConnection(MultiStreamConnection):
         return f"sublayer={self.sublayer_idx}, streams={self.n}, dynamic={self.dynamic}{mixing}"
 
 
+def multi_stream_flops(config, T: int, coefficient_width: int) -> int:
+    """Matmuls shared by HC and mHC per sublayer: the coefficient projection [T, n d] x [n d, c] (HC: n rows of
+    [d] x [d, c]), the branch read (n d) and the stream mix (n^2 d)."""
+    n, d = config.num_streams, config.hidden_size
+    return 2 * T * n * d * coefficient_width + 2 * T * n * d + 2 * T * n * n * d
+
+
+def hc_extra_flops(config, T: int, model=None) -> dict:
+    """HC (functional.hc_*): per sublayer N̄(H) W_alpha [n, d] x [d, n + 1], the read and the stream mix;
+    other: N̄(H) w_beta, a matrix-vector product (not counted by FLOP counters)."""
+    n, S = config.num_streams, config.num_sublayers
+    return {"matmul": S * multi_stream_flops(config, T, n + 1), "other": S * 2 * T * n * config.hidden_size}
+
+
 def hc_extra_params(config: HCConfig) -> int:
     n, d = config.hc_streams, config.hidden_size
     per = n * (n + 1) + n + ((n + 1) * d + d + 2 if config.hc_dynamic else 0)
     return config.num_sublayers * per
 
 
-DESIGN = Design(
+class HCModel(DepthModel):
+    """Hyper-Connections decoder (no LM head)."""
+
+    config_class = HCConfig
+
+
+class HCForCausalLM(DepthForCausalLM):
+    """Hyper-Connections causal LM."""
+
+    config_class = HCConfig
+    base_model_class = HCModel
+
+
+DESIGN = register(Design(
     "hc",
     HCConfig,
+    HCModel,
+    HCForCausalLM,
     connection=HCConnection,
     stream=MultiStream,
+    param_roles=HCConnection.param_roles,
     init_scale=output_init_scale,
     extra_params=hc_extra_params,
+    extra_flops=hc_extra_flops,
     summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
     paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",
-)
+))

@@ -35,8 +35,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _positive_int
+from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, ResidualStream, SublayerConnection
+from .residual import Design, ResidualStream, SublayerConnection, register
 
 HIRES_INITS = ("identity", "normal")
 HIRES_EMBEDS = ("pad", "project")
@@ -139,9 +140,9 @@ class HiResConnection(SublayerConnection):
             reset_projection(self.read_proj, self.config, is_write=False)
 
     def read(self, state, norm):
-        return norm(state[1])
+        return norm(state[1]), None
 
-    def write(self, state, out):
+    def write(self, state, out, carry=None):
         X, h, update = state
         h, update = h + out, update + out
         if not self.boundary:
@@ -176,30 +177,45 @@ class HiResStream(ResidualStream):
         return state[1]
 
 
+def hires_extra_flops(config, T: int, model=None) -> dict:
+    """Extra FLOPs per sequence of T tokens over Pre-LN: at each boundary the write W [D, d] and the read R [d, D]
+    (2 T d D each) and the D-wide outer add + PostNorm (~5 ops per element); the ``project`` embedding write."""
+    d, D = config.hidden_size, config.outer_size
+    matmul = 2 * T * d * D * (2 * config.num_boundaries + (config.hires_embed == "project"))
+    other = config.num_boundaries * T * (D + 4 * D)  # residual add, then the norm's ~4 ops per element
+    return {"matmul": matmul, "other": other}
+
+
 def hires_extra_params(config) -> int:
     d, D = config.hidden_size, config.outer_size
     per_boundary = 2 * D * d + norm_param_count(config, D, role="output")
     return config.num_boundaries * per_boundary + (D * d if config.hires_embed == "project" else 0)
 
 
-def hires_flops(config, T: int) -> dict:
-    """Extra FLOPs per sequence of T tokens over Pre-LN: at each boundary the write (d -> D) and read (D -> d)
-    matmuls and the D-wide outer add + PostNorm; the embedding projection (d -> D) with ``hires_embed="project"``."""
-    d, D = config.hidden_size, config.outer_size
-    matmul = config.num_boundaries * 2 * (2 * T * d * D)
-    if config.hires_embed == "project":
-        matmul += 2 * T * d * D
-    other = config.num_boundaries * T * (D + 4 * D)  # residual add, then the norm's ~4 ops per element
-    return {"matmul": matmul, "other": other}
+class HiResModel(DepthModel):
+    """HiRes decoder (no LM head)."""
+
+    config_class = HiResConfig
 
 
-DESIGN = Design(
+class HiResForCausalLM(DepthForCausalLM):
+    """HiRes causal LM."""
+
+    config_class = HiResConfig
+    base_model_class = HiResModel
+
+
+DESIGN = register(Design(
     "hires",
     HiResConfig,
+    HiResModel,
+    HiResForCausalLM,
     connection=HiResConnection,
     stream=HiResStream,
+    # the outer read/write maps are decayed like the other matrices
+    param_roles={"write_proj": "design", "read_proj": "design", "embed_proj": "design"},
     extra_params=hires_extra_params,
-    extra={"flops": hires_flops},
+    extra_flops=hires_extra_flops,
     summary="X <- N_D(X + W Block_d(R X)): a D-wide PostNorm outer residual around blocks of k Pre-LN layers",
     paper="Hierarchical Residuals: A Minimalist Decoupling of Residual Width from Compute Width (HiRes, 2026)",
-)
+))

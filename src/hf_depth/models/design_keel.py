@@ -12,8 +12,9 @@ in fp32. Extra parameters: (2L - 1) d post-norm scales (Output-Norms for IWD).
 import torch
 
 from .configuration_depth import DepthConfig
+from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, SublayerConnection
+from .residual import Design, SublayerConnection, register
 
 
 class KeelConfig(DepthConfig):
@@ -45,7 +46,7 @@ class KeelConnection(SublayerConnection):
         self.alpha = 1.0 if sublayer_idx < 2 else config.alpha
         self.post_norm = make_norm(config, role="output") if sublayer_idx > 0 else None
 
-    def write(self, state, out):
+    def write(self, state, out, carry=None):
         if self.post_norm is None:
             return state + out
         acc = torch.promote_types(state.dtype, torch.float32)  # >= fp32: the branch is ~1/alpha of the sum
@@ -56,11 +57,27 @@ class KeelConnection(SublayerConnection):
         return f"alpha={self.alpha:g}"
 
 
-DESIGN = Design(
+class KeelModel(DepthModel):
+    """KEEL decoder (no LM head)."""
+
+    config_class = KeelConfig
+
+
+class KeelForCausalLM(DepthForCausalLM):
+    """KEEL causal LM."""
+
+    config_class = KeelConfig
+    base_model_class = KeelModel
+
+
+DESIGN = register(Design(
     "keel",
     KeelConfig,
+    KeelModel,
+    KeelForCausalLM,
+    param_roles={},
     connection=KeelConnection,
     extra_params=lambda config: (config.num_sublayers - 1) * norm_param_count(config, role="output"),
     summary="h <- N_post(alpha h + F(N_pre(h))), alpha = 2L",
     paper="Chen & Wei 2026, Post-LayerNorm Is Back: Stable, ExpressivE, and Deep (arXiv 2601.19895)",
-)
+))

@@ -9,7 +9,8 @@ buffer) so a layer-swap diagnostic that moves branch weights leaves it in place.
 import math
 
 from .configuration_depth import DepthConfig
-from .residual import Design, SublayerConnection
+from .modeling_depth import DepthForCausalLM, DepthModel
+from .residual import DEPTHBENCH_LRS, Design, SublayerConnection, register
 
 
 class LNSConfig(DepthConfig):
@@ -27,16 +28,34 @@ class LNSConnection(SublayerConnection):
         self.scale = 1.0 / math.sqrt(sublayer_idx // 2 + 1)
 
     def read(self, state, norm):
-        return norm(state) * self.scale
+        return norm(state) * self.scale, None
 
     def extra_repr(self):
         return f"scale={self.scale:.4f}"
 
 
-DESIGN = Design(
+class LNSModel(DepthModel):
+    """LayerNorm-Scaling decoder (no LM head)."""
+
+    config_class = LNSConfig
+
+
+class LNSForCausalLM(DepthForCausalLM):
+    """LayerNorm-Scaling causal LM."""
+
+    config_class = LNSConfig
+    base_model_class = LNSModel
+
+
+DESIGN = register(Design(
     "lns",
     LNSConfig,
+    LNSModel,
+    LNSForCausalLM,
+    param_roles={},
+    lr=1e-2,  # DepthBench
+    sweep_lrs=DEPTHBENCH_LRS + (1e-2, 2e-2),
     connection=LNSConnection,
     summary="h <- h + F(N(h) / sqrt(l))",
     paper="Sun et al. 2025, The Curse of Depth in Large Language Models (arXiv 2502.05795)",
-)
+))

@@ -37,9 +37,18 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int
-from .design_hc import FINAL_REDUCES, MultiStream, MultiStreamConnection, _eps, _flag, output_init_scale
+from .design_hc import (
+    FINAL_REDUCES,
+    MultiStream,
+    MultiStreamConnection,
+    _eps,
+    _flag,
+    multi_stream_flops,
+    output_init_scale,
+)
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
-from .residual import Design
+from .modeling_depth import DepthForCausalLM, DepthModel
+from .residual import Design, register
 
 MHC_INITS = ("uniform", "identity")
 MHC_SINKHORN_ORDERS = ("rows_first", "columns_first")
@@ -174,19 +183,44 @@ class MHCConnection(MultiStreamConnection):
         return f"sublayer={self.sublayer_idx}, streams={self.n}, init={self.init_kind}, sinkhorn_iters={self.iters}"
 
 
+def mhc_extra_flops(config, T: int, model=None) -> dict:
+    """mHC (functional.mhc_*): per sublayer vec(H) phi [n d] x [n d, n^2 + 2n], the read and the H_res mix;
+    other: the Sinkhorn iterations."""
+    n, S = config.num_streams, config.num_sublayers
+    sinkhorn = 2 * config.mhc_sinkhorn_iters * 3 * n * n * T
+    return {"matmul": S * multi_stream_flops(config, T, n * n + 2 * n), "other": S * sinkhorn}
+
+
 def mhc_extra_params(config: MHCConfig) -> int:
     n, d = config.mhc_streams, config.hidden_size
     return config.num_sublayers * (n * d * (n * n + 2 * n) + n * n + 2 * n + 3)
 
 
-DESIGN = Design(
+class MHCModel(DepthModel):
+    """mHC decoder (no LM head)."""
+
+    config_class = MHCConfig
+
+
+class MHCForCausalLM(DepthForCausalLM):
+    """mHC causal LM."""
+
+    config_class = MHCConfig
+    base_model_class = MHCModel
+
+
+DESIGN = register(Design(
     "mhc",
     MHCConfig,
+    MHCModel,
+    MHCForCausalLM,
     connection=MHCConnection,
     stream=MultiStream,
+    param_roles=MHCConnection.param_roles,
     init_scale=output_init_scale,
     extra_params=mhc_extra_params,
+    extra_flops=mhc_extra_flops,
     summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
     "H_post = 2 sigmoid",
     paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880)",
-)
+))

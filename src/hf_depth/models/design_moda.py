@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from .configuration_depth import DepthConfig, _choice
-from .dispatch import moda_attention
-from .residual import Design, ResidualStream
+from .depth_ops import attach_moda_banks, moda_attention
+from .modeling_depth import DepthForCausalLM, DepthModel, apply_rotary_pos_emb
+from .residual import AttentionCarry, Design, ResidualStream, SublayerConnection, register
 
 MODA_DEPTH_ROPE = ("rotated", "unrotated")
 
@@ -63,7 +64,8 @@ class MoDAConfig(DepthConfig):
 
 
 class MoDAStream(ResidualStream):
-    """State = (h, depth K/V...); collapse and final see the residual stream h only."""
+    """State = (h, K_0, V_0, K_1, V_1, ...): the residual stream and the depth K/V written so far, per token;
+    collapse and final see the residual stream h only."""
 
     def init(self, embeds):
         return (embeds,)
@@ -72,80 +74,122 @@ class MoDAStream(ResidualStream):
         return state[0]
 
 
+class DepthKV(AttentionCarry):
+    """The carry of a MoDA attention sublayer: the depth K/V of the earlier sublayers. The shared attention calls
+    ``attend``, which runs the one softmax over [sequence | depth] and keeps this sublayer's own K/V for ``write``.
+
+    ``moda_depth_rope="rotated"``: the depth key is the key as it enters the sequence softmax (post-RoPE); the
+    preceding FFN's key arrives unrotated (the FFN's write has no positions) and is rotated here, at the token's
+    own position, exactly as the attention keys are, and written back rotated. ``"unrotated"`` (DepthBench):
+    depth keys are never rotated (the attention's own key is taken before RoPE)."""
+
+    def __init__(self, depth: tuple, mask_depth: bool, rotate: bool):
+        self.depth, self.mask_depth, self.rotate, self.own = depth, mask_depth, rotate, None
+
+    def attend(self, module, q, k_new, v_new, k, v, attention_mask, position_embeddings, raw_k=None):
+        own_k = k_new if self.rotate or raw_k is None else raw_k
+        self.own = (own_k, v_new)  # this token's depth K/V
+        if not self.depth:  # the first depth K/V of the forward carry the banks every later one is copied into, once
+            self.own = attach_moda_banks(own_k, v_new, 2 * module.config.num_hidden_layers - 1)
+        if attention_mask is not None and attention_mask.dim() != 4:
+            raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
+        depth = self.depth
+        if depth and self.rotate:  # the preceding FFN's key: rotated at the token's own position (distance 0)
+            cos, sin = position_embeddings
+            depth = self.depth = (*depth[:-2], apply_rotary_pos_emb(depth[-2], depth[-2], cos, sin)[0], depth[-1])
+        mask = torch.zeros(len(depth) // 2, dtype=torch.bool, device=q.device) if self.mask_depth else None
+        # saved for backward: q, k, v and the depth banks (one storage each per forward), never a stacked copy
+        return moda_attention(q, k, v, depth, attention_mask, module.scaling, mask)
+
+
+class MoDAConnection(SublayerConnection):
+    """Pre-LN read/write of h; the attention sublayer hands its depth K/V to the attention (``DepthKV``) and
+    appends its own; the FFN sublayer appends ``kv_proj(N(h))`` (the layer's ``kv_proj``, none in the last block).
+
+    ``layer.mask_depth = True`` masks every depth slot out of the softmax (then the attention is Pre-LN's)."""
+
+    def __init__(self, config, sublayer_idx):
+        super().__init__(config, sublayer_idx)
+        self.is_attention = sublayer_idx % 2 == 0
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        self.has_kv_proj = not self.is_attention and sublayer_idx // 2 < config.num_hidden_layers - 1
+        self.kv_shape = (config.hidden_size, 2 * config.num_key_value_heads * config.head_dim)
+        self.rotate = config.moda_depth_rope == "rotated"
+
+    def layer_modules(self):
+        """Built once by the layer, which registers them (Llama-style keys: ``model.layers.i.kv_proj``)."""
+        if self.is_attention:
+            return {"mask_depth": False}
+        return {"kv_proj": nn.Linear(*self.kv_shape, bias=False) if self.has_kv_proj else None}
+
+    def read(self, state, norm):
+        x = norm(state[0])
+        if self.is_attention:
+            return x, DepthKV(tuple(state[1:]), self.layer.mask_depth, self.rotate)
+        return x, x
+
+    def write(self, state, out, carry):
+        h = state[0] + out
+        if self.is_attention:
+            return (h, *carry.depth, *carry.own)
+        proj = self.layer.kv_proj
+        if proj is None:
+            return (h, *state[1:])
+        k, v = proj(carry).view(*carry.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+        return (h, *state[1:], k, v)  # k rotated by the next attention sublayer ("rotated")
+
+    def skipped(self, state):
+        """DepthBench: a removed block writes no depth K/V, its slots stay zero (they still enter the softmax)."""
+        if not self.is_attention and not self.has_kv_proj:
+            return state
+        h = state[0]
+        zero = h.new_zeros(h.shape[0], self.num_kv_heads, h.shape[1], self.head_dim)
+        return (*state, zero, zero)
+
+
 def moda_extra_params(config) -> int:
     """kv_proj: d -> 2 n_kv head_dim in every block but the last (no bias)."""
     return (config.num_hidden_layers - 1) * 2 * config.hidden_size * config.num_key_value_heads * config.head_dim
 
 
-DESIGN = Design(
+def moda_extra_flops(config, T: int, model=None) -> dict:
+    """The FFN K/V projections (matmuls) and the depth part of the combined softmax: Q K^T and P V over the 2i
+    earlier depth slots of block i (other: kernel-specific)."""
+    d, H, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+    kv, L = config.num_key_value_heads * hd, config.num_hidden_layers
+    depth = sum(4 * T * H * hd * (2 * i) for i in range(1, L))
+    return {"matmul": (L - 1) * 2 * T * d * 2 * kv, "other": depth}
+
+
+def moda_depth_kv_bytes(config, seq_len: int, batch: int, bytes_per: int) -> int:
+    """The depth K/V buffers ``[B, T, 2L, kv_heads, hd]`` (one slot per sublayer, K and V)."""
+    return 2 * config.num_sublayers * seq_len * config.num_key_value_heads * config.head_dim * bytes_per * batch
+
+
+class MoDAModel(DepthModel):
+    """MoDA decoder (no LM head)."""
+
+    config_class = MoDAConfig
+
+
+class MoDAForCausalLM(DepthForCausalLM):
+    """MoDA causal LM."""
+
+    config_class = MoDAConfig
+    base_model_class = MoDAModel
+
+
+DESIGN = register(Design(
     "moda",
     MoDAConfig,
+    MoDAModel,
+    MoDAForCausalLM,
+    param_roles={},
+    connection=MoDAConnection,
     stream=MoDAStream,
-    layer_class=lambda config, layer_idx, design: MoDADecoderLayer(config, layer_idx, design),
-    attention_class=lambda config, layer_idx: MoDAAttention(config, layer_idx),
     extra_params=moda_extra_params,
+    extra_flops=moda_extra_flops,
+    extra_kv_bytes=moda_depth_kv_bytes,
     summary="attention softmax over [causal sequence KV | same-token depth KV of earlier sublayers]",
     paper="Zhu et al. 2026, Mixture-of-Depths Attention (arXiv 2603.15619)",
-)
-
-# The layer classes subclass the shared decoder's; modeling_depth imports the registry (hence this file) only after
-# defining them, so importing it here, below DESIGN, has no cycle whichever file is loaded first (trust_remote_code
-# loads this file first for AutoConfig). DESIGN refers to the classes through lambdas, resolved at build time.
-from .modeling_depth import DepthAttention, DepthDecoderLayer, apply_rotary_pos_emb  # noqa: E402
-
-
-class MoDAAttention(DepthAttention):
-    """Causal attention whose softmax also covers the depth K/V of the current token."""
-
-    def forward(self, x, position_embeddings, attention_mask=None, cache=None, depth=(), depth_mask=None, **kwargs):
-        q, k, v = self.project_qkv(x)
-        raw_k = k
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        # this token's depth K/V: the key as it enters the sequence softmax (post-RoPE) or, DepthBench, pre-RoPE
-        new_kv = (k if self.config.moda_depth_rope == "rotated" else raw_k, v)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
-        if attention_mask is not None and attention_mask.dim() != 4:
-            raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
-        dk = torch.stack(depth[0::2]) if depth else None
-        dv = torch.stack(depth[1::2]) if depth else None
-        out = moda_attention(q, k, v, dk, dv, attention_mask, self.scaling, depth_mask)
-        return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous()), new_kv
-
-
-class MoDADecoderLayer(DepthDecoderLayer):
-    """Pre-LN block whose state is (h, K_0, V_0, K_1, V_1, ...): the depth K/V written so far, per token."""
-
-    def __init__(self, config, layer_idx, design):
-        super().__init__(config, layer_idx, design)
-        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
-        last = layer_idx == config.num_hidden_layers - 1
-        kv = config.num_key_value_heads * config.head_dim
-        self.kv_proj = None if last else nn.Linear(config.hidden_size, 2 * kv, bias=False)
-        self.rotate_depth = config.moda_depth_rope == "rotated"
-        self.mask_depth = False  # True: every depth slot masked out of the softmax (then == Pre-LN attention)
-
-    def skipped(self, state):
-        """DepthBench: a removed block writes no depth K/V, its slots stay zero (they still enter the softmax)."""
-        h = state[0]
-        zero = h.new_zeros(h.shape[0], self.num_kv_heads, h.shape[1], self.head_dim)
-        return (*state, *([zero] * (2 if self.kv_proj is None else 4)))
-
-    def forward(self, state, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
-        h, depth = state[0], tuple(state[1:])
-        x = self.attn_connection.read(h, self.input_layernorm)
-        mask = torch.zeros(len(depth) // 2, dtype=torch.bool, device=h.device) if self.mask_depth else None
-        y, new_kv = self.self_attn(
-            x, position_embeddings, attention_mask=attention_mask, cache=cache, depth=depth, depth_mask=mask, **kwargs
-        )
-        h = self.attn_connection.write(h, y)
-        depth = depth + new_kv
-        x = self.mlp_connection.read(h, self.post_attention_layernorm)
-        if self.kv_proj is not None:
-            k, v = self.kv_proj(x).view(*x.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
-            if self.rotate_depth:
-                cos, sin = position_embeddings
-                k, _ = apply_rotary_pos_emb(k, k, cos, sin)  # same position as the query: relative distance 0
-            depth = depth + (k, v)
-        return (self.mlp_connection.write(h, self.mlp(x)), *depth)
+))

@@ -7,8 +7,9 @@ Output-Norm for the IWD rule: its output is the residual stream itself, not the 
 """
 
 from .configuration_depth import DepthConfig
+from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import make_norm, norm_param_count
-from .residual import Design, SublayerConnection
+from .residual import Design, SublayerConnection, register
 
 
 class PostLNConfig(DepthConfig):
@@ -23,17 +24,33 @@ class PostLNConnection(SublayerConnection):
         super().__init__(config, sublayer_idx)
         self.norm = make_norm(config, role="output")
 
-    def write(self, state, out):
+    def write(self, state, out, carry=None):
         return self.norm(state + out)
 
 
-DESIGN = Design(
+class PostLNModel(DepthModel):
+    """Post-LN decoder (no LM head)."""
+
+    config_class = PostLNConfig
+
+
+class PostLNForCausalLM(DepthForCausalLM):
+    """Post-LN causal LM."""
+
+    config_class = PostLNConfig
+    base_model_class = PostLNModel
+
+
+DESIGN = register(Design(
     "post_ln",
     PostLNConfig,
+    PostLNModel,
+    PostLNForCausalLM,
+    param_roles={},
     connection=PostLNConnection,
     input_norm=lambda config, s: None,
     # the post-add (Output-)norm replaces the input norm one for one (they differ only under HG/AP)
     extra_params=lambda config: config.num_sublayers * (norm_param_count(config, role="output") - norm_param_count(config)),
     summary="h <- N(h + F(h))",
     paper="Vaswani et al. 2017, Attention Is All You Need (arXiv 1706.03762)",
-)
+))

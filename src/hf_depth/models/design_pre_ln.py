@@ -6,7 +6,8 @@ Extra parameters: none. DepthBench LR 2e-3. Equal to ``transformers.LlamaForCaus
 """
 
 from .configuration_depth import DepthConfig
-from .residual import Design
+from .modeling_depth import DepthForCausalLM, DepthModel
+from .residual import Design, register
 
 
 class PreLNConfig(DepthConfig):
@@ -16,9 +17,25 @@ class PreLNConfig(DepthConfig):
     design = "pre_ln"
 
 
-DESIGN = Design(
+class PreLNModel(DepthModel):
+    """Pre-LN decoder (no LM head)."""
+
+    config_class = PreLNConfig
+
+
+class PreLNForCausalLM(DepthForCausalLM):
+    """Pre-LN causal LM."""
+
+    config_class = PreLNConfig
+    base_model_class = PreLNModel
+
+
+DESIGN = register(Design(
     "pre_ln",
     PreLNConfig,
+    PreLNModel,
+    PreLNForCausalLM,
+    param_roles={},
     summary="h <- h + F(N(h))",
     paper="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture (arXiv 2002.04745)",
-)
+))

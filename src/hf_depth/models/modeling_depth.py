@@ -5,16 +5,19 @@ A LLaMA-like decoder with Llama's module names (``model.layers.N.self_attn.q_pro
 only varying part is the residual design (``residual.py``): each sublayer asks its connection to
 ``read`` the residual state into a branch input and to ``write`` the branch output back::
 
-    x     = connection.read(state, input_norm)        # Pre-LN: N(h)
-    y     = branch(x)                                 # attention or SwiGLU FFN
-    state = connection.write(state, y)                # Pre-LN: h + y
+    x, carry = connection.read(state, input_norm)     # Pre-LN: N(h), None
+    y        = branch(x)                              # attention (sees ``carry``) or SwiGLU FFN
+    state    = connection.write(state, y, carry)      # Pre-LN: h + y
 
-For every design registered in ``registry.py`` this module defines ``<Name>Model`` and
-``<Name>ForCausalLM`` (e.g. ``PreLNForCausalLM``), registered with the Auto classes by ``import hf_depth``
-and loadable with ``trust_remote_code=True`` from a saved folder without the package.
+Each design file declares its ``<Name>Model(DepthModel)`` and ``<Name>ForCausalLM(DepthForCausalLM)`` (e.g.
+``design_pre_ln.PreLNForCausalLM``), registered with the Auto classes by ``import hf_depth`` and loadable with
+``trust_remote_code=True`` from a saved folder without the package.
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 import torch
 from torch import nn
@@ -28,8 +31,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_depth import DepthConfig
 from .dispatch import swiglu
-from .norms import ProjectionScales, RMSNorm, make_norm
-from .residual import Design
+from .norms import ProjectionScales, RMSNorm, make_norm, parameter_roles
+from .residual import AttentionCarry, Design
 
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
@@ -102,27 +105,44 @@ class DepthAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
         d, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(d, q_out, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, kv_out, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, kv_out, bias=config.attention_bias)
+        qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Llama: q/k/v/o; Qwen2: q/k/v
+        self.q_proj = nn.Linear(d, q_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv_out, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv_out, bias=qkv_bias)
         self.o_proj = nn.Linear(q_out, d, bias=config.attention_bias)
+        if getattr(config, "use_qk_norm", False):  # Qwen3: per-head RMSNorm on q and k, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, role="output")  # IWD: an Output-Norm
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, role="output")
+        else:
+            self.q_norm = self.k_norm = None
         self.scales = ProjectionScales(config, {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out)})
 
     def project_qkv(self, x: torch.Tensor):
-        """q, k, v as [B, heads, T, head_dim] before RoPE (scale vectors applied around the projections)."""
+        """q, k, v as [B, heads, T, head_dim] before RoPE (scale vectors applied around the projections, then the
+        QK-norm where ``use_qk_norm``)."""
         shape = (*x.shape[:-1], -1, self.head_dim)
         xq, xk, xv = self.scales.inputs(x)
         q = self.scales.outputs("q", self.q_proj(xq).view(shape))
         k = self.scales.outputs("k", self.k_proj(xk).view(shape))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.scales.outputs("v", self.v_proj(xv).view(shape))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x, position_embeddings, attention_mask=None, cache: Cache | None = None, **kwargs):
+    def forward(self, x, position_embeddings, attention_mask=None, cache: Cache | None = None,
+                carry: AttentionCarry | None = None, **kwargs):
+        """(output, attention probabilities or None). ``carry``: the connection's carry; an ``AttentionCarry``
+        (MoDA's depth K/V) computes the attention itself from q and the keys/values."""
         q, k, v = self.project_qkv(x)
+        raw_k = k
         cos, sin = position_embeddings
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k_new, v_new = k, v
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
+        if isinstance(carry, AttentionCarry):
+            out = carry.attend(self, q, k_new, v_new, k, v, attention_mask, position_embeddings, raw_k)
+            return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous()), None
         attention = eager_attention_forward
         impl = self.config._attn_implementation
         if impl not in (None, "eager"):
@@ -171,27 +191,34 @@ class DepthDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: DepthConfig, layer_idx: int, design: Design):
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = (design.attention_class or DepthAttention)(config, layer_idx)
+        self.self_attn = DepthAttention(config, layer_idx)
         self.mlp = DepthMLP(config)
         # Llama's names: `input_layernorm` is the attention's input norm, `post_attention_layernorm` the FFN's.
         self.input_layernorm = build_input_norm(design, config, 2 * layer_idx)
         self.post_attention_layernorm = build_input_norm(design, config, 2 * layer_idx + 1)
         self.attn_connection = design.connection(config, 2 * layer_idx)
         self.mlp_connection = design.connection(config, 2 * layer_idx + 1)
+        for conn in self.connections():
+            object.__setattr__(conn, "layer", self)  # a back-reference, not a submodule: the modules registered here
+            for name, value in conn.layer_modules().items():
+                setattr(self, name, value)
 
     def forward(self, state, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
-        x = self.attn_connection.read(state, self.input_layernorm)
-        y, _ = self.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=cache, **kwargs)
-        state = self.attn_connection.write(state, y)
-        x = self.mlp_connection.read(state, self.post_attention_layernorm)
-        return self.mlp_connection.write(state, self.mlp(x))
+        x, carry = self.attn_connection.read(state, self.input_layernorm)
+        y, _ = self.self_attn(x, position_embeddings, attention_mask=attention_mask, cache=cache, carry=carry,
+                              **kwargs)
+        state, x, carry = self.attn_connection.write_then_read(
+            state, y, carry, self.mlp_connection, self.post_attention_layernorm
+        )
+        return self.mlp_connection.write(state, self.mlp(x), carry)
 
     def connections(self) -> tuple[nn.Module, nn.Module]:
         return self.attn_connection, self.mlp_connection
 
     def skipped(self, state):
-        """The block's output when DepthBench's analysis removes it: its input state, unchanged."""
-        return state
+        """The block's output when DepthBench's analysis removes it: its input state, plus what its connections
+        write even then (``SublayerConnection.skipped``; MoDA's zero depth K/V)."""
+        return self.mlp_connection.skipped(self.attn_connection.skipped(state))
 
 
 # ----------------------------------------------------------------------------------------------- models
@@ -229,15 +256,27 @@ class DepthPreTrainedModel(PreTrainedModel):
         if hasattr(module, "reset_design_parameters"):
             module.reset_design_parameters()
 
+    @classmethod
+    def is_remote_code(cls) -> bool:
+        """Saved with its code (``trust_remote_code``) unless the design's file lives outside this folder."""
+        design = cls.design
+        return super().is_remote_code() and (
+            design is None or _beside_this_file(design.causal_lm_class, design.config_class))
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Save weights, config and the modeling code, with an ``auto_map`` for every Auto class we support, so the
         folder loads with ``trust_remote_code=True`` where hf_depth is not installed."""
-        prefix = _class_prefix(self.config_class)
-        cfg_cls = type(self.config)
+        if not self.is_remote_code():
+            # a design registered at run time from elsewhere: its code cannot travel as a flat folder
+            self.config._auto_class = None
+            try:
+                return super().save_pretrained(save_directory, *args, **kwargs)
+            finally:
+                del self.config._auto_class
         self.config.auto_map = {
-            "AutoConfig": f"{cfg_cls.__module__.split('.')[-1]}.{cfg_cls.__name__}",
-            "AutoModel": f"{__name__.split('.')[-1]}.{prefix}Model",
-            "AutoModelForCausalLM": f"{__name__.split('.')[-1]}.{prefix}ForCausalLM",
+            "AutoConfig": _qualified(type(self.config)),
+            "AutoModel": _qualified(self.design.model_class),
+            "AutoModelForCausalLM": _qualified(self.design.causal_lm_class),
         }
         return super().save_pretrained(save_directory, *args, **kwargs)
 
@@ -255,13 +294,13 @@ class DepthModel(DepthPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.stream = design.stream(config)
-        layer_class = design.layer_class or DepthDecoderLayer
-        self.layers = nn.ModuleList(layer_class(config, i, design) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DepthDecoderLayer(config, i, design) for i in range(config.num_hidden_layers))
         # the final norm feeds the LM head: an Input-Norm (a design may pick its kind: DepthBench's DeepNorm keeps RMS)
         self.norm = make_norm(config, role="input", kind=getattr(config, "final_norm_kind", None), final=True)
         self.rotary_emb = DepthRotaryEmbedding(config)
         self.gradient_checkpointing = False
         self._apply_init_scales()
+        parameter_roles(self, design.param_roles, strict=True)  # every design parameter has a declared role
         self.post_init()
 
     def _apply_init_scales(self) -> None:
@@ -425,38 +464,12 @@ class DepthForCausalLM(DepthPreTrainedModel, GenerationMixin):
         return out if return_dict is not False else out.to_tuple()
 
 
-# ----------------------------------------------------------------------------------------------- per design
-def _class_prefix(config_class: type) -> str:
-    name = config_class.__name__
-    return name[: -len("Config")] if name.endswith("Config") else name
+def _beside_this_file(*classes: type) -> bool:
+    """Whether every class is defined in this folder (what ``trust_remote_code`` can copy)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return all(os.path.dirname(os.path.abspath(sys.modules[c.__module__].__file__)) == here for c in classes)
 
 
-# imported here, after the shared classes exist, so a design file may subclass them (MoDA's layer) without a cycle
-from .registry import DESIGNS  # noqa: E402
-
-MODEL_CLASSES: dict[str, tuple[type, type]] = {}
-for _design in DESIGNS.values():
-    _prefix = _class_prefix(_design.config_class)
-    _base = type(
-        f"{_prefix}Model",
-        (DepthModel,),
-        {
-            "config_class": _design.config_class,
-            "design": _design,
-            "__module__": __name__,
-            "__doc__": f"{_prefix} decoder. {_design.summary}",
-        },
-    )
-    _lm = type(
-        f"{_prefix}ForCausalLM",
-        (DepthForCausalLM,),
-        {
-            "config_class": _design.config_class,
-            "design": _design,
-            "base_model_class": _base,
-            "__module__": __name__,
-            "__doc__": f"{_prefix} causal LM. {_design.summary}",
-        },
-    )
-    globals()[_base.__name__], globals()[_lm.__name__] = _base, _lm
-    MODEL_CLASSES[_design.name] = (_base, _lm)
+def _qualified(cls: type) -> str:
+    """``module.Class`` as ``auto_map`` names it: the file in the saved folder, then the class."""
+    return f"{cls.__module__.split('.')[-1]}.{cls.__name__}"

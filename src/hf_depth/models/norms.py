@@ -312,7 +312,8 @@ class ProjectionScales(nn.Module):
 
 
 # --------------------------------------------------------------------------------- roles of every parameter
-def _module_param_role(module: nn.Module, local: str) -> str:
+def _module_param_role(module: nn.Module, local: str, design_roles: dict[str, str]) -> str | None:
+    """The role of ``module``'s own parameter ``local``; ``None`` if nothing declares it."""
     declared = getattr(module, "param_roles", None)
     if declared and local in declared:
         return declared[local]
@@ -322,20 +323,43 @@ def _module_param_role(module: nn.Module, local: str) -> str:
         return "embedding"
     if isinstance(module, nn.Linear):
         return "matrix" if local == "weight" else "bias"
-    return "design"
+    return design_roles.get(local)
 
 
-def parameter_roles(model: nn.Module) -> dict[str, str]:
+def _design_roles(model: nn.Module) -> dict[str, str]:
+    """``Design.param_roles`` of the (first) hf_depth model inside ``model`` (a PEFT wrapper, a causal LM...)."""
+    for module in model.modules():
+        design = getattr(type(module), "design", None)
+        if design is not None and hasattr(design, "param_roles"):
+            return design.param_roles
+    return {}
+
+
+def parameter_roles(model: nn.Module, design_roles: dict[str, str] | None = None, strict: bool = False
+                    ) -> dict[str, str]:
     """The role of every parameter of ``model``, by its ``named_parameters`` name.
 
     Norm weights/biases and scale vectors: ``"input_norm"`` / ``"output_norm"`` (the IWD split); linear
     weights ``"matrix"`` (LM head included), their biases ``"bias"``; ``nn.Embedding`` ``"embedding"``. A
     module's ``param_roles: dict[local_name, role]`` class attribute wins (e.g. HC's static routing ->
-    ``"routing_static"``); any other parameter is ``"design"``. Shared parameters are reported once.
+    ``"routing_static"``); other parameters take the role their design declares (``Design.param_roles``, by
+    local name; ``design_roles`` defaults to the model's). A parameter nothing declares is ``"design"``, or a
+    ``ValueError`` naming it when ``strict`` (what every hf_depth model checks when it is built). Shared
+    parameters are reported once.
     """
-    owner = {}
+    design_roles = _design_roles(model) if design_roles is None else design_roles
+    owner, undeclared = {}, []
     for mod_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
             full = f"{mod_name}.{local}" if mod_name else local
-            owner.setdefault(id(p), (full, _module_param_role(module, local)))
+            role = _module_param_role(module, local, design_roles)
+            if role is None:
+                undeclared.append(full)
+                role = "design"
+            owner.setdefault(id(p), (full, role))
+    if strict and undeclared:
+        raise ValueError(
+            f"parameters without a declared role: {undeclared[:8]}; declare each local name in the design's "
+            "`param_roles` (e.g. {'query': 'design'}: decayed; 'routing_static': never decayed)"
+        )
     return {name: owner[id(p)][1] for name, p in model.named_parameters()}

@@ -1,14 +1,23 @@
-"""The contract between the shared decoder and a residual design.
+"""The contract between the shared decoder and a residual design, and the registry of designs.
 
-A design decides three things, and nothing else in the decoder changes between designs:
+A design decides what varies between designs, and nothing else in the decoder changes:
 
 * ``ResidualStream`` (one per model): how the embedding becomes the residual *state*, how the state is
   *collapsed* to one ``[B, T, d]`` view (``output_hidden_states``, diagnostics), and how the final norm is
   applied before the LM head.
-* ``SublayerConnection`` (one per sublayer, index s = 2*layer + {0: attention, 1: FFN}): ``read`` turns the
-  state into the branch input (it receives the layer's input norm, or ``None`` for Post-LN designs) and
-  ``write`` folds the branch output back into the state.
-* ``Design`` (registry entry): which classes to use, whether sublayers have an input norm, and init rules.
+* ``SublayerConnection`` (one per sublayer, index s = 2*layer + {0: attention, 1: FFN}), with an explicit
+  hand-over::
+
+      x, carry = connection.read(state, norm)        # the branch input (norm: the layer's input norm or None)
+      y        = branch(x)                           # attention (which also sees ``carry``) or SwiGLU FFN
+      state    = connection.write(state, y, carry)   # fold the branch output back into the state
+
+  ``carry`` is whatever ``write`` needs from ``read`` (HC's mixed streams and write weights, MoDA's depth
+  K/V); nothing is kept on the module between the two calls. ``write_then_read`` chains the attention's write
+  and the FFN's read; for the Pre-LN pair it is the fused residual add + RMSNorm (``dispatch.add_rms_norm``).
+* ``Design``: the single record of everything that varies by design (classes, norms, init, exact extra
+  parameters and FLOPs, parameter roles, default learning rates, OLMo-core name rules), declared in the
+  design's own ``design_<name>.py`` and registered with :func:`register`.
 
 The state is whatever the design needs: a ``[B, T, d]`` tensor (Pre-LN), ``[B, T, n, d]`` streams (HC), a
 tuple of sources (AttnRes). It must be a tensor or a (nested) tuple of tensors so that gradient
@@ -20,10 +29,21 @@ The default classes below *are* Pre-LN: ``h <- h + F(N(h))``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from .dispatch import add_rms_norm
+from .norms import RMSNorm
+
+#: DepthBench's learning-rate grid (sweeps extend it per design with ``Design.sweep_lrs``)
+DEPTHBENCH_LRS = (5e-4, 1e-3, 2e-3, 5e-3)
+#: the roles a design may declare for its own parameters (``hf_depth.training.optim`` decides the decay)
+DESIGN_ROLES = ("design", "routing_static", "routing_dynamic", "routing_scale")
+#: the Llama projections and the LM head: the backbone's matmuls, counted by ``diagnostics.cost``
+STANDARD_LINEARS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"})
 
 
 class SublayerConnection(nn.Module):
@@ -33,11 +53,22 @@ class SublayerConnection(nn.Module):
         super().__init__()
         self.sublayer_idx = sublayer_idx
 
-    def read(self, state, norm: nn.Module | None) -> torch.Tensor:
-        return state if norm is None else norm(state)
+    def read(self, state, norm: nn.Module | None):
+        """(branch input, carry for ``write``)."""
+        return (state if norm is None else norm(state)), None
 
-    def write(self, state, out: torch.Tensor):
+    def write(self, state, out: torch.Tensor, carry=None):
         return state + out
+
+    def write_then_read(self, state, out: torch.Tensor, carry, following: SublayerConnection, norm: nn.Module | None):
+        """``write`` this sublayer's output, then ``following.read``: (state, x, carry). Fused into one
+        add + RMSNorm when both halves are the Pre-LN defaults (Triton on CUDA, the reference elsewhere)."""
+        if (type(self).write is SublayerConnection.write and type(following).read is SublayerConnection.read
+                and type(norm) is RMSNorm):
+            state, x = add_rms_norm(state, out, norm.gamma(), norm.eps)
+            return state, x, None
+        state = self.write(state, out, carry)
+        return (state, *following.read(state, norm))
 
     def path_weights(self) -> dict[str, torch.Tensor] | None:
         """Explicit residual-path weights of this sublayer (AttnRes softmax, HC mixing), ``None`` if implicit."""
@@ -55,6 +86,15 @@ class SublayerConnection(nn.Module):
     def boundary_mixer(self) -> nn.Module | None:
         """``depth_mixer()`` where this sublayer starts a source block (a true AttnRes boundary), else ``None``."""
         return None
+
+    def skipped(self, state):
+        """This sublayer's write when DepthBench's analysis removes its block: none (MoDA: zero depth K/V)."""
+        return state
+
+    def layer_modules(self) -> dict[str, nn.Module | None]:
+        """Modules this connection uses that the decoder layer registers under these names (MoDA's FFN K/V
+        projection is ``model.layers.i.kv_proj``)."""
+        return {}
 
 
 class ResidualStream(nn.Module):
@@ -87,12 +127,45 @@ class ResidualStream(nn.Module):
         return None
 
 
+class AttentionCarry:
+    """A carry that the attention consults (MoDA's depth K/V). The shared attention calls ``attend`` after RoPE
+    and the cache update, instead of its own attention function."""
+
+    def attend(self, module: nn.Module, q, k_new, v_new, k, v, attention_mask, position_embeddings,
+               raw_k=None) -> torch.Tensor:
+        """Attention output [B, T, heads, head_dim] (``k_new``/``v_new``: this forward's keys/values after RoPE;
+        ``k``/``v``: with the cached past; ``raw_k``: this forward's keys before RoPE)."""
+        raise NotImplementedError
+
+
+def extra_linear_flops(config, T: int, model: nn.Module | None = None) -> dict:
+    """The default ``Design.extra_flops``: 2 T in out for every ``nn.Linear`` of ``model`` outside the Llama
+    projections (0 without a model)."""
+    total = 0
+    for name, mod in (model.named_modules() if model is not None else ()):
+        if isinstance(mod, nn.Linear) and name.split(".")[-1] not in STANDARD_LINEARS:
+            total += 2 * T * mod.in_features * mod.out_features
+    return {"matmul": total, "other": 0}
+
+
+def no_extra_params(config) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class Design:
-    """A registry entry. Adding a design = one file defining these pieces + one line in ``registry.py``."""
+    """A registry entry: everything that varies by design. Adding a design = one ``design_<name>.py`` file that
+    builds one of these with :func:`register` + one import line in ``registry.py``."""
 
     name: str
     config_class: type
+    #: ``<Name>Model`` / ``<Name>ForCausalLM``, declared in the design file (``register`` binds them here)
+    model_class: type | None = None
+    causal_lm_class: type | None = None
+    _: KW_ONLY
+    #: {local parameter name: role} of every parameter the design adds that is not a Linear / Embedding / norm
+    #: (roles in ``DESIGN_ROLES``; required: a model refuses to build with an undeclared parameter)
+    param_roles: dict[str, str]
     connection: type = SublayerConnection
     stream: type = ResidualStream
     #: build the branch input norm of a sublayer: ``fn(config, sublayer_idx) -> nn.Module | None``
@@ -100,11 +173,40 @@ class Design:
     #: init multiplier of a branch weight: ``fn(config, layer_idx, name) -> float`` (DeepNorm's beta, HC's 1/sqrt(n))
     init_scale: Callable | None = None
     #: parameters beyond a Pre-LN model of the same config: ``fn(config) -> int`` (exact; see ``hf_depth.shapes``)
-    extra_params: Callable | None = None
-    #: optional replacements of the decoder layer / attention class (MoDA): a class or a factory called as
-    #: ``layer_class(config, layer_idx, design)`` / ``attention_class(config, layer_idx)``
-    layer_class: type | None = None
-    attention_class: type | None = None
+    extra_params: Callable = no_extra_params
+    #: prefill FLOPs beyond Pre-LN per sequence: ``fn(config, T, model=None) -> {"matmul": int, "other": int}``
+    extra_flops: Callable = extra_linear_flops
+    #: KV-cache bytes beyond the sequence KV: ``fn(config, seq_len, batch, bytes_per) -> int``
+    extra_kv_bytes: Callable | None = None
+    #: learning rate of the generated recipes, and the grid of sweeps (DepthBench's, per design)
+    lr: float = 2e-3
+    sweep_lrs: tuple[float, ...] = DEPTHBENCH_LRS
+    #: DepthBench / OLMo-core name rules (``olmo_rules.OlmoRules``), ``None``: not convertible
+    olmo: Any = None
     summary: str = ""
     paper: str = ""
-    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        bad = {k: v for k, v in self.param_roles.items() if v not in DESIGN_ROLES}
+        if bad:
+            raise ValueError(f"design {self.name!r}: `param_roles` values must be in {list(DESIGN_ROLES)}, got {bad}")
+
+
+#: every registered design by name, and its (model, causal LM) classes
+DESIGNS: dict[str, Design] = {}
+MODEL_CLASSES: dict[str, tuple[type, type]] = {}
+
+
+def register(design: Design) -> Design:
+    """Add ``design`` to the registry and bind it to its model classes (their ``design`` attribute)."""
+    if design.model_class is None or design.causal_lm_class is None:
+        raise ValueError(f"design {design.name!r} needs `model_class` and `causal_lm_class`")
+    if getattr(design.config_class, "design", None) != design.name:
+        raise ValueError(f"design {design.name!r}: `{design.config_class.__name__}.design` must be {design.name!r}")
+    old = DESIGNS.get(design.name)
+    if old is not None and old.config_class.__qualname__ != design.config_class.__qualname__:
+        raise ValueError(f"a different design named {design.name!r} is already registered")
+    design.model_class.design = design.causal_lm_class.design = design
+    DESIGNS[design.name] = design
+    MODEL_CLASSES[design.name] = (design.model_class, design.causal_lm_class)
+    return design

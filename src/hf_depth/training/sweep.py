@@ -22,12 +22,14 @@ from pathlib import Path
 
 import yaml
 
-DEFAULT_LRS = (5e-4, 1e-3, 2e-3, 5e-3)
-EXTRA_LRS = {"lns": (1e-2, 2e-2)}
+from ..models.residual import DEPTHBENCH_LRS as DEFAULT_LRS  # noqa: F401  (the grid every design starts from)
 
 
 def default_lrs(design: str) -> tuple[float, ...]:
-    return DEFAULT_LRS + EXTRA_LRS.get(design, ())
+    """The design's own sweep grid (``Design.sweep_lrs``: DepthBench's, extended for LNS)."""
+    from ..models.registry import DESIGNS
+
+    return tuple(DESIGNS[design].sweep_lrs)
 
 
 @dataclass(frozen=True)

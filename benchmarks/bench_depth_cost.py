@@ -1,0 +1,162 @@
+"""Cost of every registered design as depth grows, relative to Pre-LN, measured in one run.
+
+For L in ``--layers`` (default 8 16 32 64) at a fixed width:
+
+1. saved activations / Pre-LN: ``hf_depth.diagnostics.cost.activation_bytes`` (bytes autograd saves for
+   backward, custom ``autograd.Function`` saves included; deterministic), at ``--mem-hidden/--mem-seq/--mem-batch``;
+2. forward+backward time / Pre-LN at ``--hidden/--seq/--batch`` for L in ``--time-layers`` (designs interleaved,
+   ``--rounds`` rounds, median); on CUDA also the peak allocated memory of one step / Pre-LN's;
+3. greedy generation time / Pre-LN (KV cache, ``--new-tokens`` tokens after a ``--seq // 2`` prompt) at
+   L in ``--gen-layers`` (default 32).
+
+CPU timings share the machine: run with ``OMP_NUM_THREADS=1``; rounds are interleaved and the median is printed.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py
+    python benchmarks/bench_depth_cost.py --designs pre_ln attnres --layers 8 64 --time-layers 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _timing import sync
+
+import hf_depth
+from hf_depth.diagnostics.cost import activation_bytes
+
+
+def build(name, d, L, heads, vocab, device):
+    torch.manual_seed(0)
+    return hf_depth.model_for(
+        name, vocab_size=vocab, hidden_size=d, num_hidden_layers=L, num_attention_heads=heads,
+        pad_token_id=0, eos_token_id=1, max_position_embeddings=4096,
+    ).to(device)
+
+
+def timed(fn, device) -> float:
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
+def interleaved(fns: dict, device, rounds: int) -> dict[str, float]:
+    """Median over ``rounds`` of one call of each fn, the fns interleaved in every round (one warm-up call each)."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(timed(fn, device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fwd_bwd(model, x):
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x, labels=x, use_cache=False).loss.backward()
+
+    return step
+
+
+def generate(model, prompt, new_tokens):
+    def run():
+        with torch.no_grad():
+            model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+
+    return run
+
+
+def peak_bytes(fn, device) -> int | None:
+    if device.type != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def table(title, designs, cols, cells) -> str:
+    lines = [f"### {title}", "", "| design | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for name in designs:
+        lines.append(f"| {name} | " + " | ".join(cells.get((name, c), "") for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--designs", nargs="*", default=list(hf_depth.DESIGNS))
+    p.add_argument("--layers", nargs="*", type=int, default=[8, 16, 32, 64])
+    p.add_argument("--mem-hidden", type=int, default=128)
+    p.add_argument("--mem-seq", type=int, default=64)
+    p.add_argument("--mem-batch", type=int, default=1)
+    p.add_argument("--time-layers", nargs="*", type=int, default=[8, 32])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--gen-layers", nargs="*", type=int, default=[32])
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--skip-memory", action="store_true")
+    a = p.parse_args(argv)
+    designs = ["pre_ln"] + [d for d in a.designs if d != "pre_ln"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device={device} threads={torch.get_num_threads()} designs={len(designs)}\n")
+
+    if not a.skip_memory:
+        cells, cols = {}, [f"L={L}" for L in a.layers]
+        for L in a.layers:
+            base = None
+            for name in designs:
+                m = build(name, a.mem_hidden, L, a.heads, a.vocab, device)
+                b = activation_bytes(m, a.mem_batch, a.mem_seq)
+                base = b if name == "pre_ln" else base
+                cells[(name, f"L={L}")] = f"{b / base:.2f}"
+                del m
+        print(table(f"saved activations / Pre-LN (d={a.mem_hidden}, T={a.mem_seq}, B={a.mem_batch}; Pre-LN = 1)",
+                    designs, cols, cells))
+
+    x = torch.randint(2, a.vocab, (a.batch, a.seq), device=device)
+    cells, cols = {}, []
+    for L in a.time_layers:
+        models = {n: build(n, a.hidden, L, a.heads, a.vocab, device).train() for n in designs}
+        t = interleaved({n: fwd_bwd(m, x) for n, m in models.items()}, device, a.rounds)
+        cols.append(f"L={L}")
+        for n in designs:
+            cells[(n, f"L={L}")] = f"{t[n] / t['pre_ln']:.2f}"
+        cells[("pre_ln", f"L={L}")] = f"1.00 ({t['pre_ln'] * 1e3:.0f} ms)"
+        if device.type == "cuda":
+            peaks = {n: peak_bytes(fwd_bwd(m, x), device) for n, m in models.items()}
+            cols.append(f"peak L={L}")
+            for n in designs:
+                cells[(n, f"peak L={L}")] = f"{peaks[n] / peaks['pre_ln']:.2f}"
+        del models
+    print(table(f"forward+backward time / Pre-LN (d={a.hidden}, T={a.seq}, B={a.batch}; median of {a.rounds} "
+                "interleaved rounds)", designs, cols, cells))
+
+    cells, cols = {}, []
+    prompt = x[:, : max(1, a.seq // 2)]
+    for L in a.gen_layers:
+        models = {n: build(n, a.hidden, L, a.heads, a.vocab, device).eval() for n in designs}
+        t = interleaved({n: generate(m, prompt, a.new_tokens) for n, m in models.items()}, device, a.rounds)
+        cols.append(f"L={L}")
+        for n in designs:
+            cells[(n, f"L={L}")] = f"{t[n] / t['pre_ln']:.2f}"
+        cells[("pre_ln", f"L={L}")] = f"1.00 ({t['pre_ln'] * 1e3:.0f} ms)"
+        del models
+    print(table(f"greedy generation time / Pre-LN (d={a.hidden}, B={a.batch}, prompt {prompt.shape[1]}, "
+                f"{a.new_tokens} new tokens; median of {a.rounds} interleaved rounds)", designs, cols, cells))
+
+
+if __name__ == "__main__":
+    main()

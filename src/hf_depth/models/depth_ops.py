@@ -1,0 +1,465 @@
+"""Cross-layer operations whose saved activations stay linear in depth (AttnRes depth softmax, MoDA attention).
+
+The plain autograd form of these designs keeps a stacked copy of every earlier source (AttnRes) or depth K/V
+(MoDA) per sublayer, O(L^2) in all. Here:
+
+* ``SourceBank``: the sources of one forward are copied once, when they are produced, into a preallocated
+  ``[capacity, *shape]`` buffer; a consumer reads ``bank[:K]`` as a view (no copy). The bank writes through
+  ``.data`` (own version counter), so the views that earlier sublayers saved stay valid: a slot is written once
+  and never changed, which ``sync`` checks by identity (weak references) before handing out a view; any
+  mismatch (a caller's own tuple, reentrant checkpointing, ``torch.compile``) falls back to a transient
+  ``torch.stack`` with the same numerics.
+* ``depth_aggregate`` / ``moda_attention``: ``autograd.Function`` s that save only the bank view (one storage
+  for the whole forward), the parameters and the small inputs, through ``save_for_backward`` (so
+  ``saved_tensors_hooks`` -- the activation counter, CPU offloading -- see everything), and recompute the
+  normalized keys, logits and softmax in backward.
+
+Numerics: the same function as ``functional.depth_softmax`` / ``functional.moda_attention`` (fp32 inside);
+gradients are the analytic ones, equal to autograd of the references up to fp32 rounding (tests compare both
+at every design and several depths). The Triton depth-softmax kernel reads ``bank[:K]`` in place.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import dispatch
+
+_BANK_ATTR = "_hf_depth_bank"
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class SourceBank:
+    """Write-once slots ``[capacity, *shape]`` holding copies of tensors produced during one forward."""
+
+    def __init__(self, like: torch.Tensor, capacity: int, rms_eps: float | None = None):
+        self.data = torch.empty((capacity, *like.shape), dtype=like.dtype, device=like.device)
+        self._raw = self.data.data  # writes through here do not bump the version seen by saved views
+        self.rms_eps = rms_eps
+        # 1 / rms of every slot (fp32), computed once when the slot is written (AttnRes keys)
+        self.rinv = None if rms_eps is None else torch.empty(
+            (capacity, *like.shape[:-1]), dtype=_acc_dtype(like.dtype), device=like.device)
+        self._rraw = None if self.rinv is None else self.rinv.data
+        self.refs: list = [None] * capacity
+        self.count = 0
+
+    @staticmethod
+    def enabled() -> bool:
+        return not torch.compiler.is_compiling()
+
+    @classmethod
+    def attach(cls, holder: torch.Tensor, capacity: int, rms_eps: float | None = None) -> torch.Tensor:
+        """``holder`` aliased with a fresh bank attached (the alias, not the caller's tensor, carries it)."""
+        alias = holder.view(holder.shape)
+        if cls.enabled():
+            setattr(alias, _BANK_ATTR, cls(holder, capacity, rms_eps))
+        return alias
+
+    @staticmethod
+    def of(holder: torch.Tensor) -> SourceBank | None:
+        return getattr(holder, _BANK_ATTR, None) if SourceBank.enabled() else None
+
+    def sync(self, tensors) -> torch.Tensor | None:
+        """``bank[:K]`` holding ``tensors`` (written now where new), or None if a slot holds something else."""
+        k = len(tensors)
+        if k > len(self.refs):
+            return None
+        for i in range(k):
+            ref = self.refs[i]
+            if ref is None:
+                if i != self.count:
+                    return None
+                self._write(i, tensors[i])
+            elif ref() is not tensors[i]:
+                return None
+        return self.data[:k]
+
+    def _write(self, i: int, t: torch.Tensor) -> None:
+        if t.shape != self.data.shape[1:]:
+            raise ValueError(f"bank slot shape {tuple(self.data.shape[1:])}, got {tuple(t.shape)}")
+        with torch.no_grad():
+            self._raw[i].copy_(t)
+            if self._rraw is not None:
+                h = self._raw[i].to(self._rraw.dtype)
+                self._rraw[i] = torch.rsqrt(h.pow(2).mean(-1) + self.rms_eps)
+        self.refs[i] = weakref.ref(t)
+        self.count = i + 1
+
+
+def _rinv(v: torch.Tensor, eps: float) -> torch.Tensor:
+    h = v.to(_acc_dtype(v.dtype))
+    return torch.rsqrt(h.pow(2).mean(-1) + eps)
+
+
+# --------------------------------------------------------------------------------------------- AttnRes
+def _agg_forward(qg, V, r, P, rp):
+    """Logits, softmax and weighted sum over V [K, N, d] (+ partial P [N, d]); fp32 math."""
+    K, N, d = V.shape
+    acc = qg.dtype
+    Va = V if V.dtype == acc else V.to(acc)
+    z = r * (Va.reshape(K * N, d) @ qg).view(K, N)
+    if P is not None:
+        Pa = P if P.dtype == acc else P.to(acc)
+        z = torch.cat((z, (rp * (Pa @ qg)).unsqueeze(0)))
+    p = torch.softmax(z, dim=0)
+    out = p[0].unsqueeze(-1) * Va[0]  # sum_k p_k v_k, one slot at a time (einsum would copy V per token on CPU)
+    for k in range(1, K):
+        out.addcmul_(p[k].unsqueeze(-1), Va[k])
+    if P is not None:
+        out = out + p[K].unsqueeze(-1) * Pa
+    return z, p, out
+
+
+class _DepthAggregate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key_weight, eps, V, r, partial, *sources):
+        K, d = V.shape[0], V.shape[-1]
+        lead = V.shape[1:-1]
+        acc = _acc_dtype(V.dtype)
+        qg = query.to(acc) if key_weight is None else query.to(acc) * key_weight.to(acc)
+        Vf = V.reshape(K, -1, d)
+        P = None if partial is None else partial.reshape(-1, d)
+        rp = None if P is None else _rinv(P, eps)
+        _, p, out = _agg_forward(qg, Vf, r.reshape(K, -1), P, rp)
+        ctx.save_for_backward(query, key_weight, V, r, partial)
+        ctx.eps, ctx.n_sources = eps, len(sources)
+        p = p.movedim(0, -1).reshape(*lead, -1)
+        ctx.mark_non_differentiable(p)
+        return out.to(V.dtype).view(*lead, d), p
+
+    @staticmethod
+    def backward(ctx, dout, _dp):
+        query, key_weight, V, r, partial = ctx.saved_tensors
+        K, d = V.shape[0], V.shape[-1]
+        acc = _acc_dtype(V.dtype)
+        q32 = query.to(acc)
+        g32 = None if key_weight is None else key_weight.to(acc)
+        qg = q32 if g32 is None else q32 * g32
+        Vf = V.reshape(K, -1, d)
+        Va = Vf if Vf.dtype == acc else Vf.to(acc)
+        P = None if partial is None else partial.reshape(-1, d)
+        Pa = None if P is None else P.to(acc)
+        rp = None if P is None else _rinv(P, ctx.eps)
+        rf = r.reshape(K, -1)
+        z, p, _ = _agg_forward(qg, Vf, rf, P, rp)
+        do = dout.reshape(-1, d).to(acc)
+        dp = torch.einsum("nd,knd->kn", do, Va)
+        if P is not None:
+            dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
+        dz = p * (dp - (p * dp).sum(0, keepdim=True))
+        rr = rf if P is None else torch.cat((rf, rp.unsqueeze(0)))
+        a = dz * rr  # d z / d v = r qg - (z r^2 / d) v
+        b = -(dz * z * rr * rr) / d
+        dV = p[:K].unsqueeze(-1) * do
+        dV.addcmul_(a[:K].unsqueeze(-1), qg)
+        dV.addcmul_(b[:K].unsqueeze(-1), Va)
+        dqg = a[:K].reshape(-1) @ Va.reshape(-1, d)
+        dpartial = None
+        if P is not None:
+            dpartial = (p[K].unsqueeze(-1) * do + a[K].unsqueeze(-1) * qg + b[K].unsqueeze(-1) * Pa)
+            dqg = dqg + a[K] @ Pa
+            dpartial = dpartial.to(partial.dtype).view_as(partial)
+        dq = None if not ctx.needs_input_grad[0] else (dqg if g32 is None else dqg * g32).to(query.dtype)
+        dw = None if key_weight is None or not ctx.needs_input_grad[1] else (dqg * q32).to(key_weight.dtype)
+        dV = dV.to(V.dtype).view(V.shape)
+        grads = tuple(dV[i] for i in range(ctx.n_sources))
+        return (dq, dw, None, None, None, dpartial, *grads)
+
+
+def depth_aggregate(query: torch.Tensor, key_weight: torch.Tensor | None, sources, eps: float,
+                    stable: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``functional.depth_softmax(query, key_weight, torch.stack(sources), eps)`` without the stacked copy.
+
+    ``sources[:stable]`` never change after this call (they are read from the bank of ``sources[0]`` when it has
+    one); ``sources[stable]`` (at most one more) is a running partial sum, read as is. Returns (out, p [..., S]).
+    """
+    stable = len(sources) if stable is None else stable
+    fixed, rest = tuple(sources[:stable]), tuple(sources[stable:])
+    if len(rest) > 1:
+        raise ValueError(f"at most one partial source after the stable ones, got {len(rest)}")
+    partial = rest[0] if rest else None
+    bank = SourceBank.of(fixed[0])
+    V = None if bank is None else bank.sync(fixed)
+    if V is not None and bank.rms_eps == eps:
+        r = bank.rinv[: len(fixed)]
+    elif V is not None:
+        r = _rinv(V, eps)
+    else:
+        V = torch.stack([s.detach() for s in fixed])
+        r = _rinv(V, eps)
+    if dispatch.use_triton(V):
+        return _triton_aggregate(query, key_weight, V, partial, eps, fixed)
+    return _DepthAggregate.apply(query, key_weight, eps, V, r, partial, *fixed)
+
+
+class _TritonAggregate(torch.autograd.Function):
+    """Triton depth softmax on ``V`` read in place (no partial): saves V, query, weight; recomputes p in backward."""
+
+    @staticmethod
+    def forward(ctx, query, key_weight, eps, V, *sources):
+        k = _triton_ops()
+        S, d = V.shape[0], V.shape[-1]
+        out, p = k.depth_softmax_fwd(query.contiguous(), None if key_weight is None else key_weight.contiguous(),
+                                     V.reshape(S, -1, d), eps)
+        ctx.save_for_backward(query, key_weight, V)
+        ctx.eps, ctx.n_sources = eps, len(sources)
+        p = p.view(*V.shape[1:-1], S)
+        ctx.mark_non_differentiable(p)
+        return out.view(V.shape[1:]), p
+
+    @staticmethod
+    def backward(ctx, dout, _dp):
+        k = _triton_ops()
+        query, key_weight, V = ctx.saved_tensors
+        S, d = V.shape[0], V.shape[-1]
+        q, w, Vf = query.contiguous(), None if key_weight is None else key_weight.contiguous(), V.reshape(S, -1, d)
+        out, p = k.depth_softmax_fwd(q, w, Vf, ctx.eps)  # recomputed: p is not kept between forward and backward
+        dp = torch.zeros_like(p)
+        dv, dq, dw = k.depth_softmax_bwd(dout.reshape(-1, d).contiguous(), dp, q, w, Vf, out, p, ctx.eps)
+        dv = dv.view(V.shape)
+        return (dq.to(query.dtype), None if key_weight is None else dw.to(key_weight.dtype), None, None,
+                *(dv[i] for i in range(ctx.n_sources)))
+
+
+def _triton_ops():
+    """``torch.ops.hf_depth`` with the depth-softmax kernels registered (loads their module once)."""
+    dispatch._kernels().depth_softmax  # noqa: B018  (imports kernels/depth_softmax_op.py, which registers them)
+    return torch.ops.hf_depth
+
+
+def _triton_aggregate(query, key_weight, V, partial, eps, fixed):
+    if partial is not None:  # the running partial sum changes every sublayer: one transient slot next to the bank
+        V = torch.cat((V, partial.detach().unsqueeze(0)))
+        fixed = (*fixed, partial)
+    return _TritonAggregate.apply(query, key_weight, eps, V, *fixed)
+
+
+# --------------------------------------------------------------------------------------------- MoDA
+def _moda_probs(q, kr, mask, scaling, dk, depth_mask, low):
+    """fp32 scores over [sequence | depth] and their softmax, as ``functional._moda_attention``.
+
+    Returns (p, Tk, the bool mask whose False entries get no gradient (masked_fill) or None).
+    """
+    scores = (q @ kr.transpose(-1, -2)) * scaling
+    t, tk = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(t, tk, dtype=torch.bool, device=scores.device).tril(tk - t)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, low)
+    else:
+        scores = scores + mask.to(q.dtype)
+        mask = None
+    if dk is None:
+        return torch.softmax(scores, dim=-1), tk, mask
+    depth_scores = ((q.unsqueeze(0) * dk).sum(-1) * scaling).movedim(0, -1)
+    if depth_mask is not None:
+        depth_scores = depth_scores.masked_fill(~depth_mask.to(torch.bool), low)
+    return torch.softmax(torch.cat((scores, depth_scores), dim=-1), dim=-1), tk, mask
+
+
+def _group_sum(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
+    """Inverse of ``repeat_interleave(n_rep, dim)`` for gradients: sum each group of ``n_rep`` heads."""
+    if n_rep == 1:
+        return x
+    shape = x.shape
+    return x.reshape(*shape[:dim], shape[dim] // n_rep, n_rep, *shape[dim + 1:]).sum(dim + 1)
+
+
+class _MoDAAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scaling, depth_mask, dk, dv, *depth):
+        acc = _acc_dtype(query.dtype)
+        n_rep = query.shape[1] // key.shape[1]
+        low = torch.finfo(acc).min
+        q = query.to(acc)
+        kr = key.repeat_interleave(n_rep, dim=1).to(acc)
+        dkr = None if dk is None else dk.repeat_interleave(n_rep, dim=2).to(acc)
+        p, tk, _ = _moda_probs(q, kr, mask, scaling, dkr, depth_mask, low)
+        out = p[..., :tk] @ value.repeat_interleave(n_rep, dim=1).to(acc)
+        if dk is not None:
+            out = out + (p[..., tk:].movedim(-1, 0).unsqueeze(-1) * dv.repeat_interleave(n_rep, dim=2).to(acc)).sum(0)
+        ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv)
+        ctx.scaling, ctx.n_depth = scaling, len(depth)
+        return out.transpose(1, 2).to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, mask, depth_mask, dk, dv = ctx.saved_tensors
+        acc = _acc_dtype(query.dtype)
+        n_rep = query.shape[1] // key.shape[1]
+        q = query.to(acc)
+        kr = key.repeat_interleave(n_rep, dim=1).to(acc)
+        vr = value.repeat_interleave(n_rep, dim=1).to(acc)
+        dkr = None if dk is None else dk.repeat_interleave(n_rep, dim=2).to(acc)
+        dvr = None if dv is None else dv.repeat_interleave(n_rep, dim=2).to(acc)
+        p, tk, keep = _moda_probs(q, kr, mask, ctx.scaling, dkr, depth_mask, torch.finfo(acc).min)
+        do = dout.transpose(1, 2).to(acc)  # [B, H, T, hd]
+        dp = do @ vr.transpose(-1, -2)
+        if dk is not None:
+            dp = torch.cat((dp, (do.unsqueeze(0) * dvr).sum(-1).movedim(0, -1)), dim=-1)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True)) * ctx.scaling
+        dseq = ds[..., :tk]
+        if keep is not None:  # masked_fill passes no gradient to masked scores (fully masked padding rows)
+            dseq = dseq.masked_fill(~keep, 0.0)
+        dq = dseq @ kr
+        dkey = _group_sum(dseq.transpose(-1, -2) @ q, n_rep, 1).to(key.dtype)
+        dvalue = _group_sum(p[..., :tk].transpose(-1, -2) @ do, n_rep, 1).to(value.dtype)
+        grads = ()
+        if dk is not None:
+            dd = ds[..., tk:]
+            if depth_mask is not None:
+                dd = dd.masked_fill(~depth_mask.to(torch.bool), 0.0)
+            dd = dd.movedim(-1, 0).unsqueeze(-1)  # [D, B, H, T, 1]
+            dq = dq + (dd * dkr).sum(0)
+            gk = _group_sum(dd * q.unsqueeze(0), n_rep, 2).to(dk.dtype)
+            gv = _group_sum(p[..., tk:].movedim(-1, 0).unsqueeze(-1) * do.unsqueeze(0), n_rep, 2).to(dv.dtype)
+            grads = tuple(g for pair in zip(gk.unbind(0), gv.unbind(0)) for g in pair)
+        return (dq.to(query.dtype), dkey, dvalue, None, None, None, None, None, *grads)
+
+
+def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_mask=None) -> torch.Tensor:
+    """``functional.moda_attention`` with depth = (K_0, V_0, K_1, V_1, ...) read from their banks in place.
+
+    The banks hang on ``depth[0]`` (keys) and ``depth[1]`` (values), see ``attach_moda_banks``. Returns
+    [B, T, H, hd]."""
+    if mask is not None and mask.dim() != 4:
+        raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
+    dk = dv = None
+    if depth:
+        keys, values = depth[0::2], depth[1::2]
+        kb, vb = SourceBank.of(depth[0]), SourceBank.of(depth[1])
+        dk = None if kb is None else kb.sync(keys)
+        dv = None if vb is None else vb.sync(values)
+        if dk is None or dv is None:
+            dk, dv = torch.stack([k.detach() for k in keys]), torch.stack([v.detach() for v in values])
+    with torch.autocast(query.device.type, enabled=False):
+        return _MoDAAttention.apply(query, key, value, mask, scaling, depth_mask, dk, dv, *depth)
+
+
+def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first depth K/V of a forward, each aliased with a bank of ``capacity`` slots."""
+    return SourceBank.attach(k, capacity), SourceBank.attach(v, capacity)
+
+
+# --------------------------------------------------------------------------------------------- HC / mHC
+# A multi-stream connection routes H_s -> (x_s, mixed_s, w_s) and writes H_{s+1} = mixed_s + w_s y_s. Plain
+# autograd keeps H_s (n d per token) and several stream-sized intermediates for every sublayer. Here, as in the
+# mHC paper, only the first H of every segment of SEGMENT sublayers is saved, with every branch output y_s
+# (d per token) and write weights w_s (n per token); the backward of a segment re-runs its routing forward from
+# that H (the same ops: bit-identical streams), keeps the local graphs of the segment while it is being
+# differentiated, and frees them after. The hand-over between sublayers rides on the stream tensor itself (an
+# attribute of H_{s+1}); anything else (a caller's own tensor, reentrant checkpointing, torch.compile) starts a
+# new segment, which is only more memory, never a different result.
+
+SEGMENT = 4
+_SEG_ATTR = "_hf_depth_segment"
+
+
+class _Segment:
+    def __init__(self, start: int):
+        self.start = start
+        self.routes: dict = {}  # s -> (weakref to the route node, connection)
+        self.writes: dict = {}  # s -> weakref to the write node
+        self.local: dict = {}  # s -> (H_s leaf, (x, mixed, w)) recomputed graphs, live during backward
+        self.unpacked: dict = {}  # s -> (w, y) of the write, unpacked by the recomputation, handed to its backward
+
+    def graph(self, s: int):
+        if s in self.local:
+            return self.local.pop(s)
+        ctx0 = self.routes[self.start][0]()
+        H = ctx0.saved_tensors[0]
+        for j in range(self.start, s + 1):
+            conn = self.routes[j][1]
+            Hd = H.detach().requires_grad_()
+            with torch.enable_grad(), torch.autocast(device_type=H.device.type, enabled=False):
+                x, mixed, w, _ = conn.route(Hd)
+            self.local[j] = (Hd, (x, mixed, w))
+            if j < s:
+                if j not in self.unpacked:  # saved tensors are unpacked once (checkpointing allows no more)
+                    self.unpacked[j] = self.writes[j]().saved_tensors
+                y = self.unpacked[j][1]
+                with torch.no_grad(), torch.autocast(device_type=H.device.type, enabled=False):
+                    H = conn.depth(mixed.detach(), w.detach(), y)
+        return self.local.pop(s)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, conn, s, H, *params):
+        seg = SourceBank.enabled() and getattr(H, _SEG_ATTR, None)
+        # the decision depends on the input alone, so a checkpointed recomputation saves exactly what the forward did
+        if not seg or s - seg.start >= SEGMENT:
+            seg = _Segment(s)
+            ctx.save_for_backward(H)
+        if s not in seg.routes or seg.routes[s][0]() is None:  # a recomputation never replaces the original node
+            seg.routes[s] = (weakref.ref(ctx), conn)
+        ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            x, mixed, w, seen = conn.route(H)
+        conn._seen_raw = seen
+        return x, mixed, w
+
+    @staticmethod
+    def backward(ctx, dx, dmixed, dw):
+        Hd, outs = ctx.seg.graph(ctx.s)
+        conn = ctx.seg.routes[ctx.s][1]
+        params = list(conn.parameters(recurse=False))
+        wanted = [Hd] + [p for p in params if p.requires_grad]
+        pairs = [(o, g) for o, g in zip(outs, (dx, dmixed, dw)) if g is not None and o.requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+        if ctx.s == ctx.seg.start:
+            ctx.seg.local.clear()
+        by_param = dict(zip([id(p) for p in wanted[1:]], grads[1:]))
+        return (None, None, grads[0], *(by_param.get(id(p)) for p in params))
+
+
+class _Write(torch.autograd.Function):
+    """H' = mixed + w y (the write of HC and mHC alike); saves w and y only."""
+
+    @staticmethod
+    def forward(ctx, conn, seg, s, mixed, w, y):
+        if seg is not None and (s not in seg.writes or seg.writes[s]() is None):
+            seg.writes[s] = weakref.ref(ctx)
+        ctx.save_for_backward(w, y)
+        ctx.mixed_dtype, ctx.seg, ctx.s = mixed.dtype, seg, s
+        with torch.autocast(device_type=mixed.device.type, enabled=False):
+            return conn.depth(mixed, w, y)
+
+    @staticmethod
+    def backward(ctx, dH):
+        seg = ctx.seg
+        w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
+        wm = w.to(ctx.mixed_dtype)
+        dy = (dH * wm.unsqueeze(-1)).sum(-2).to(y.dtype)
+        dw = (dH * y.to(dH.dtype).unsqueeze(-2)).sum(-1).to(w.dtype)
+        return None, None, None, dH, dw, dy
+
+
+def stream_route(conn, s: int, H: torch.Tensor):
+    """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above)."""
+    if not SourceBank.enabled():
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            return conn.route(H)
+    x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
+    seen, conn._seen_raw = conn._seen_raw, None
+    return x, mixed, w, seen
+
+
+def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``conn.depth(mixed, w, y)`` saving (w, y); the output carries the segment on to the next sublayer."""
+    if not SourceBank.enabled():
+        with torch.autocast(device_type=mixed.device.type, enabled=False):
+            return conn.depth(mixed, w, y)
+    node = mixed.grad_fn
+    seg = None
+    if node is not None and getattr(node, "seg", None) is not None and getattr(node, "s", None) == s:
+        seg = node.seg
+    H = _Write.apply(conn, seg, s, mixed, w, y)
+    if seg is not None:
+        setattr(H, _SEG_ATTR, seg)
+    return H
