@@ -186,6 +186,27 @@ def source_fields(config, overrides: dict | None = None) -> tuple[dict, list[str
     return fields, notes
 
 
+def design_config(source_config, design: str, overrides: dict | None = None) -> tuple:
+    """(config of ``design`` computing ``source_config``'s decoder, the ``FUNCTION_PRESERVING`` fields set, notes).
+
+    A source of the same hf_depth design keeps its own fields; any other source goes through ``source_fields``.
+    ``overrides`` (design config fields) win."""
+    import hf_depth
+
+    from .models.configuration_depth import depth_fields
+
+    overrides = dict(overrides or {})
+    if design not in hf_depth.DESIGNS:
+        raise ValueError(f"`design` must be one of {sorted(hf_depth.DESIGNS)}, got {design!r}")
+    if getattr(source_config, "design", None) == design:
+        fields = {k: getattr(source_config, k) for k in depth_fields(type(source_config)) if hasattr(source_config, k)}
+        preset, notes = {}, []
+    else:
+        fields, notes = source_fields(source_config, overrides)
+        preset = {k: v for k, v in FUNCTION_PRESERVING.get(design, {}).items() if k not in overrides}
+    return hf_depth.config_for(design, **{**fields, **preset, **overrides}), preset, notes
+
+
 def expected_closeness(config) -> tuple[str, float | None]:
     """("exact" | "bounded" | "differs", the fp32 max |delta logits| bound) of ``config``'s design at its init."""
     design = config.design
@@ -220,6 +241,35 @@ def compare(source: torch.nn.Module, target: torch.nn.Module, ids: torch.Tensor)
     return float((a - b).abs().max()), max(0.0, float(kl.sum(-1).mean()))  # rounding can make a zero KL < 0
 
 
+def carry_weights(source: torch.nn.Module, target: torch.nn.Module, notes: list[str] | None = None,
+                  what: str = "the source") -> tuple[int, list[str]]:
+    """Copy every weight of ``source`` into ``target`` under the same name: (parameters copied, names of the
+    target's parameters and buffers left at their init). Tied embeddings are untied (a copy), a post-norm
+    design drops the source's Pre-LN input norms (with a note); any other weight without a place, or with
+    another shape, is refused naming it."""
+    design = getattr(target.config, "design", "?")
+    sd = {k: v.detach().clone() for k, v in source.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    if "lm_head.weight" not in sd or getattr(source.config, "tie_word_embeddings", False):
+        sd["lm_head.weight"] = source.get_input_embeddings().weight.detach().clone()
+    want = target.state_dict()
+    extra = [k for k in sd if k not in want]
+    norms = [k for k in extra if k.endswith(_INPUT_NORMS)]
+    if norms and not any(k.endswith(_INPUT_NORMS) for k in want):  # a post-norm design: no Pre-LN input norms
+        if notes is not None:
+            notes.append(f"design {design!r} has no per-sublayer input norms: the {len(norms)} input-norm weights "
+                         f"of {what} (input_layernorm, post_attention_layernorm) are dropped")
+        sd = {k: v for k, v in sd.items() if k not in norms}
+        extra = [k for k in extra if k not in norms]
+    if extra:
+        _refuse(f"design {design!r} has no place for weights {extra[:6]} of {what} (the design renames or drops them)")
+    for k, v in sd.items():
+        if tuple(want[k].shape) != tuple(v.shape):
+            _refuse(f"`{k}` has shape {list(v.shape)} in {what} and {list(want[k].shape)} in design {design!r}")
+    target.load_state_dict({k: v.to(want[k].dtype) for k, v in sd.items()}, strict=False)
+    params = dict(target.named_parameters())
+    return sum(v.numel() for k, v in sd.items() if k in params), [k for k in want if k not in sd]
+
+
 def upcycle(model, design: str, *, sample: torch.Tensor | None = None, seed: int = 0, verbose: bool = True,
             **config) -> tuple[torch.nn.Module, UpcycleReport]:
     """``(upcycled causal LM of design, UpcycleReport)`` from ``model`` (a Llama / Mistral / Qwen2 / Qwen3 /
@@ -236,33 +286,11 @@ def upcycle(model, design: str, *, sample: torch.Tensor | None = None, seed: int
     if design not in hf_depth.DESIGNS:
         raise ValueError(f"`design` must be one of {sorted(hf_depth.DESIGNS)}, got {design!r}")
     family = source_family(model.config)
-    fields, notes = source_fields(model.config, config)
-    preset = {k: v for k, v in FUNCTION_PRESERVING.get(design, {}).items() if k not in config}
-    fields.update(preset)
-    fields.update(config)
-    cfg = hf_depth.config_for(design, **fields)
+    cfg, preset, notes = design_config(model.config, design, config)
     torch.manual_seed(seed)
     target = hf_depth.MODEL_CLASSES[design][1](cfg).eval()
 
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
-    if "lm_head.weight" not in sd or getattr(model.config, "tie_word_embeddings", False):
-        sd["lm_head.weight"] = model.get_input_embeddings().weight.detach().clone()
-    want = target.state_dict()
-    extra = [k for k in sd if k not in want]
-    norms = [k for k in extra if k.endswith(_INPUT_NORMS)]
-    if norms and not any(k.endswith(_INPUT_NORMS) for k in want):  # a post-norm design: no Pre-LN input norms
-        notes.append(f"design {design!r} has no per-sublayer input norms: the source's {len(norms)} input-norm "
-                     "weights (input_layernorm, post_attention_layernorm) are dropped")
-        sd = {k: v for k, v in sd.items() if k not in norms}
-        extra = [k for k in extra if k not in norms]
-    if extra:
-        _refuse(f"design {design!r} has no place for source weights {extra[:6]} (the design renames or drops them)")
-    for k, v in sd.items():
-        if tuple(want[k].shape) != tuple(v.shape):
-            _refuse(f"`{k}` has shape {list(v.shape)} in the source and {list(want[k].shape)} in design {design!r}")
-    new = [k for k in want if k not in sd]
-    target.load_state_dict({k: v.to(want[k].dtype) for k, v in sd.items()}, strict=False)
-
+    copied, new = carry_weights(model, target, notes)
     if sample is None:
         g = torch.Generator().manual_seed(seed)
         sample = torch.randint(0, cfg.vocab_size, (2, min(16, cfg.max_position_embeddings)), generator=g)
@@ -278,8 +306,7 @@ def upcycle(model, design: str, *, sample: torch.Tensor | None = None, seed: int
         source_family=family, source_class=type(model).__name__, design=design,
         fields={k: getattr(cfg, k) for k in (*preset, *config)}, expected=expected, bound=bound,
         max_abs_logit_diff=diff, kl=kl, sample_shape=list(sample.shape),
-        copied_parameters=sum(v.numel() for k, v in sd.items() if k in numel),
-        new_parameters=sum(numel[k].numel() for k in new if k in numel),
+        copied_parameters=copied, new_parameters=sum(numel[k].numel() for k in new if k in numel),
         new_parameter_names=[k for k in new if k in numel], notes=notes,
     )
     if bound is not None and not diff <= bound:
