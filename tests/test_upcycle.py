@@ -10,15 +10,12 @@ q/k/v ``bias=True``, o ``bias=False``). The equality checks compare against the 
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import transformers as tr
 from family_helpers import FAMILIES
-from helpers import tiny_config
+from helpers import run_without_hf_depth, tiny_config
 
 import hf_depth
 from hf_depth.upcycling import EXACT_TOL, MHC_IDENTITY_BOUND, expected_closeness, source_fields
@@ -235,11 +232,7 @@ assert 'hf_depth' not in sys.modules
 with torch.no_grad():
     torch.save(m(input_ids=torch.load({str(tmp_path / "x.pt")!r}), use_cache=False).logits, {str(tmp_path / "y.pt")!r})
 """
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "hf_depth.py").write_text("raise ImportError('hf_depth must not be imported')\n")
-    env = {**os.environ, "PYTHONPATH": str(hide), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    r = run_without_hf_depth(tmp_path, code)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (torch.load(tmp_path / "y.pt") - logits(src, x)).abs().max() <= EXACT_TOL
 

@@ -17,6 +17,7 @@ sequences and writes them to ``RUN/upcycle_diagnostics.json``; the run's model c
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -128,7 +129,7 @@ def section(run_dir) -> str | None:
 
     def cell(d, k):
         v = d.get(k)
-        return f"{v:.4f}" if isinstance(v, (int, float)) else "n/a"
+        return f"{v:.4f}" if isinstance(v, (int, float)) and math.isfinite(v) else "n/a"
 
     rows = [f"Started from `{data.get('init_from')}` ({data.get('new_parameters', 0):,} new parameters at the "
             f"design's init; {data.get('steps', '?')} steps).", "",
@@ -138,5 +139,6 @@ def section(run_dir) -> str | None:
         if before.get(k) is not None or after.get(k) is not None:
             fmt = lambda v: ", ".join(f"{x:+.3f}" for x in v) if v else "n/a"  # noqa: E731
             rows.append(f"| {label} | {fmt(before.get(k))} | {fmt(after.get(k))} |")
-    rows += ["", f"On {data.get('sequences', '?')} held-out sequences, DepthBench's conventions (`hf-depth diagnose`)."]
+    rows += ["", f"On {data.get('sequences', '?')} held-out sequences, DepthBench's conventions (`hf-depth diagnose`); "
+             "n/a: not measurable at this depth (R_causal, R_perm count late-layer pairs)."]
     return "\n".join(rows)

@@ -97,7 +97,7 @@ def _patterns(names: list[str], limit: int = 4) -> str:
 
 def describe_param_groups(groups: list[dict]) -> str:
     """A table of the groups (role, weight decay, tensors, parameters, names) to print at the start of training."""
-    header = f"{'role':<15} {'decay':>7} {'tensors':>8} {'params':>13}  names"
+    header = f"{'role':<21} {'decay':>7} {'tensors':>8} {'params':>13}  names"
     rows = [header, "-" * len(header)]
     total = decayed = 0
     for g in groups:
@@ -105,8 +105,8 @@ def describe_param_groups(groups: list[dict]) -> str:
         total += n
         decayed += n if g["weight_decay"] > 0 else 0
         role = g["role"] + (" (new)" if g.get("new") else "")
-        rows.append(f"{role:<15} {g['weight_decay']:>7g} {len(g['params']):>8} {n:>13,}  {_patterns(g['names'])}")
-    rows.append(f"{'total':<15} {'':>7} {sum(len(g['params']) for g in groups):>8} {total:>13,}  "
+        rows.append(f"{role:<21} {g['weight_decay']:>7g} {len(g['params']):>8} {n:>13,}  {_patterns(g['names'])}")
+    rows.append(f"{'total':<21} {'':>7} {sum(len(g['params']) for g in groups):>8} {total:>13,}  "
                 f"({decayed:,} decayed, {total - decayed:,} not)")
     return "\n".join(rows)
 
