@@ -248,3 +248,12 @@ def test_cli_refusal_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "sliding_window" in err[0] and "max_position_embeddings=8" in err[0]
     assert main(["upcycle", str(tmp_path / "src"), str(tmp_path / "out"), "--design", "hc",
                  "--set", "max_position_embeddings=8"]) == 0
+
+
+@pytest.mark.parametrize("field", ["qkv_bias", "use_qk_norm"])
+def test_llama_converter_refuses_qwen_attention(field):
+    from hf_depth.convert import pre_ln_to_llama
+
+    model = hf_depth.model_for("pre_ln", **tiny_config("pre_ln", **{field: True}).to_diff_dict())
+    with pytest.raises(ValueError, match=f"`{field}=True` has no Llama equivalent"):
+        pre_ln_to_llama(model)
