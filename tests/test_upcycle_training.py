@@ -138,6 +138,9 @@ def test_end_to_end_upcycle_and_continue_on_the_embedded_data(tmp_path, capsys):
         rows = [json.loads(x) for x in (tmp_path / f"cont_{design}" / "metrics.jsonl").read_text().splitlines()]
         # the held-out loss after every step: the training loss of the embedded stream jumps with the file it is in
         # (whole stdlib files packed in order), the held-out batch is the same at every step
+        total = 50
+        assert rows[0]["lr"] == pytest.approx(cont.optim.lr)  # loaded: the warmup is skipped
+        assert rows[0]["lr_new"] == pytest.approx(2.0 * lr_at(0, total, cont.optim.lr, cont.optim.warmup_frac))
         val = [r["val_loss"] for r in rows]
         assert len(val) == 50
         first, last = sum(val[:10]) / 10, sum(val[-10:]) / 10

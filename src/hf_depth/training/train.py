@@ -477,7 +477,9 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
         step += 1
         tokens_seen += p["tokens_per_step"]
         window_tokens += p["tokens_per_step"]
-        row = {"step": step, "tokens": tokens_seen, "loss": loss_sum, "lr": lr}
+        row = {"step": step, "tokens": tokens_seen, "loss": loss_sum, "lr": lr_loaded}
+        if init_from is not None:  # the new parameters' own rate (warmup and multiplier), before policy scales
+            row["lr_new"] = lr * o.new_param_lr_mult
         if grad_norm is not None:
             row["grad_norm"] = distributed.full_value(grad_norm)
         tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
