@@ -88,6 +88,14 @@ def test_function_changing_designs_say_so_with_the_kl(family, design):
     assert rep.kl == pytest.approx(kl, rel=1e-3, abs=1e-8) and rep.kl > 1e-7
 
 
+@pytest.mark.parametrize("family", UPCYCLED)
+def test_hires_is_not_promised_even_where_it_is_equal(family):
+    """HiRes at L = 2 is one block (Pre-LN): equal on the batch, but the design guarantees nothing: continue training."""
+    _, rep = hf_depth.upcycle(source(family), "hires", sample=ids(), verbose=False)
+    assert rep.expected == "differs" and rep.bound is None
+    assert rep.max_abs_logit_diff <= EXACT_TOL and "does not guarantee" in rep.verdict and "continue training" in rep.verdict
+
+
 def test_without_the_presets_attnres_and_hc_are_not_exact():
     """The fields ``upcycle`` sets are what make AttnRes / HC exact: the paper defaults miss (mean: eps; HC
     ``sum_of_normed``: n x the logits)."""
@@ -152,8 +160,25 @@ def test_rope_theta_and_eps_carried():
     assert rep.max_abs_logit_diff <= EXACT_TOL
 
 
+def test_linear_rope_scaling_carried_exactly():
+    """transformers' linear RoPE (modeling_rope_utils._compute_linear_scaling_rope_parameters: inv_freq /= factor)."""
+    cfg = FAMILIES["llama"]()
+    cfg.num_hidden_layers, cfg.layer_types = 2, None
+    cfg.rope_parameters = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    src = tr.AutoModelForCausalLM.from_config(cfg).eval()
+    x = ids(t=40)  # positions far enough for the scaling to matter
+    model, rep = hf_depth.upcycle(src, "attnres", sample=x, verbose=False)
+    assert model.config.rope_scaling_factor == 4.0 and rep.max_abs_logit_diff <= EXACT_TOL
+    with pytest.raises(RuntimeError, match="should be exact"):  # unscaled RoPE: another function, caught
+        hf_depth.upcycle(src, "pre_ln", sample=x, verbose=False, rope_scaling_factor=1.0)
+
+
 @pytest.mark.parametrize("change, field", [
-    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "rope_parameters.rope_type"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act"),
 ])
@@ -198,6 +223,8 @@ def test_attention_fields_validated():
         tiny_config("pre_ln", qkv_bias=True, attention_bias=True)
     with pytest.raises(ValueError, match="`use_qk_norm` must be True or False"):
         tiny_config("pre_ln", use_qk_norm="yes")
+    with pytest.raises(ValueError, match="`rope_scaling_factor` must be a positive number"):
+        tiny_config("pre_ln", rope_scaling_factor=0.0)
     with pytest.raises(ValueError, match="`attnres_scale_by_sources` must be True or False"):
         tiny_config("attnres", attnres_scale_by_sources=1)
 

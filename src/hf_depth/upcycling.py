@@ -6,7 +6,7 @@
 The branch weights (embedding, attention with its biases and QK-norm, SwiGLU, norms, LM head) are copied under the
 same names; the design's own parameters (AttnRes queries, HC routing, Sandwich output norms...) stay at their init.
 Some designs compute Pre-LN's function at that init, so the upcycled model is the source model; ``upcycle`` sets
-the fields that make it so unless told otherwise (``FUNCTION_PRESERVING``), then measures it on a fixed batch:
+the fields that make it so unless told otherwise (``Design.upcycle_fields``), then measures it on a fixed batch:
 
 * ``exact``: Pre-LN, AttnRes and Block AttnRes (zero queries, ``attnres_scale_by_sources``), HC with
   ``hc_final_reduce="mean_then_norm"``: fp32 max |delta logits| <= 1e-5 (``EXACT_TOL``), checked;
@@ -17,8 +17,8 @@ the fields that make it so unless told otherwise (``FUNCTION_PRESERVING``), then
 
 What the source must be, field by field (anything else is refused in one line naming the field): SiLU SwiGLU
 without MLP bias; attention biases on q/k/v/o (Llama's ``attention_bias``) or on q/k/v (Qwen2, ``qkv_bias``); QK-norm
-(Qwen3, ``use_qk_norm``); any GQA; default RoPE (a scaled ``rope_parameters.rope_type`` is refused: hf_depth's RoPE
-has no scaling); ``rope_theta``, ``rms_norm_eps``, ``head_dim`` carried. Tied embeddings are untied (the LM head is
+(Qwen3, ``use_qk_norm``); any GQA; default RoPE or its ``linear`` scaling (``rope_scaling_factor``; any other
+``rope_parameters.rope_type`` is refused); ``rope_theta``, ``rms_norm_eps``, ``head_dim`` carried. Tied embeddings are untied (the LM head is
 a copy of the embedding: exact at conversion, trained apart from then on). A sliding window shorter than the
 context (``max_position_embeddings``) would change the function and is refused (``--set
 max_position_embeddings=W`` upcycles for contexts up to the window W); a window at least as long has no effect
@@ -42,21 +42,17 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """Hub families ``upcycle`` reads (``model_type``), besides hf_depth's own Pre-LN."""
 
-EXACT_TOL = 1e-5
-"""fp32 max |delta logits| of an ``exact`` upcycling."""
+from .models.design_mhc import MHC_IDENTITY_BOUND  # noqa: E402,F401  (re-exported: the mHC identity bound)
+from .models.residual import UPCYCLE_EXACT_TOL as EXACT_TOL  # noqa: E402
 
-MHC_IDENTITY_BOUND = 1e-4
-"""fp32 max |delta logits| allowed for mHC ``identity``: measured at most 6e-7 on the tiny test configs (logits up to
-~0.4), where the sigmoid(-8) = 3.4e-4 leak of the init, which the branch norms remove up to eps, is the scale of
-what the init could allow; 1e-4 keeps a 100x margin over the measurement and sits below that leak."""
 
-FUNCTION_PRESERVING = {
-    "attnres": {"attnres_scale_by_sources": True},
-    "block_attnres": {"attnres_scale_by_sources": True},
-    "hc": {"hc_final_reduce": "mean_then_norm"},
-    "mhc": {"mhc_init": "identity"},
-}
-"""Fields ``upcycle`` sets (unless given) so that the design computes Pre-LN's function at its init."""
+def function_preserving(design: str) -> dict:
+    """Fields ``upcycle`` sets (unless given) so that ``design`` computes Pre-LN's function at its init
+    (``Design.upcycle_fields``)."""
+    from .models.residual import DESIGNS
+
+    return dict(DESIGNS[design].upcycle_fields)
+
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
@@ -128,7 +124,10 @@ def source_family(config) -> str:
     if mt in FAMILIES:
         return mt
     if getattr(config, "design", None) is not None and str(mt).startswith("hf_depth"):
-        if config.design != "pre_ln":
+        from .models.residual import DESIGNS, upcycle_exact
+
+        entry = DESIGNS.get(config.design)
+        if entry is None or entry.upcycle_closeness is not upcycle_exact:  # Pre-LN's function whatever its fields
             _refuse(f"the source is hf_depth design {config.design!r}; only 'pre_ln' (Llama's function) is upcycled")
         return "hf_depth_pre_ln"
     _refuse(f"unsupported source model_type {mt!r}; allowed: {list(FAMILIES)} or an hf_depth pre_ln model")
@@ -159,12 +158,17 @@ def source_fields(config, overrides: dict | None = None) -> tuple[dict, list[str
         _refuse("`mlp_bias` is True; hf_depth's SwiGLU has no biases")
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        _refuse(f"`rope_parameters.rope_type` is {rope_type!r}; hf_depth's RoPE is the default one (no scaling), "
-                "so the upcycled model would compute another function")
+    if rope_type not in ("default", "linear"):
+        _refuse(f"`rope_parameters.rope_type` is {rope_type!r}; hf_depth's RoPE is the default one or its 'linear' "
+                "scaling, so the upcycled model would compute another function")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse(f"`rope_parameters.partial_rotary_factor` is {rope['partial_rotary_factor']!r}; hf_depth rotates "
+                "every head dimension (1.0)")
     fields = {k: getattr(config, k) for k in _SHARED}
     fields["head_dim"] = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     fields["rope_theta"] = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    if rope_type == "linear":
+        fields["rope_scaling_factor"] = float(rope["factor"])
     fields["attention_dropout"] = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if family == "qwen2":  # Qwen2Attention: bias=True on q/k/v, none on o (no config field)
         fields["qkv_bias"] = True
@@ -187,7 +191,7 @@ def source_fields(config, overrides: dict | None = None) -> tuple[dict, list[str
 
 
 def design_config(source_config, design: str, overrides: dict | None = None) -> tuple:
-    """(config of ``design`` computing ``source_config``'s decoder, the ``FUNCTION_PRESERVING`` fields set, notes).
+    """(config of ``design`` computing ``source_config``'s decoder, the ``Design.upcycle_fields`` fields set, notes).
 
     A source of the same hf_depth design keeps its own fields; any other source goes through ``source_fields``.
     ``overrides`` (design config fields) win."""
@@ -203,23 +207,18 @@ def design_config(source_config, design: str, overrides: dict | None = None) -> 
         preset, notes = {}, []
     else:
         fields, notes = source_fields(source_config, overrides)
-        preset = {k: v for k, v in FUNCTION_PRESERVING.get(design, {}).items() if k not in overrides}
+        preset = {k: v for k, v in function_preserving(design).items() if k not in overrides}
     return hf_depth.config_for(design, **{**fields, **preset, **overrides}), preset, notes
 
 
 def expected_closeness(config) -> tuple[str, float | None]:
-    """("exact" | "bounded" | "differs", the fp32 max |delta logits| bound) of ``config``'s design at its init."""
-    design = config.design
-    default_eps = getattr(config, "attnres_norm_eps", None) in (None, config.rms_norm_eps)
-    if design == "pre_ln":
-        return "exact", EXACT_TOL
-    if design in ("attnres", "block_attnres") and config.attnres_scale_by_sources and default_eps:
-        return "exact", EXACT_TOL
-    if design == "hc" and config.hc_final_reduce == "mean_then_norm":
-        return "exact", EXACT_TOL
-    if design == "mhc" and config.mhc_init == "identity" and config.mhc_final_reduce == "mean_then_norm":
-        return "bounded", MHC_IDENTITY_BOUND
-    return "differs", None
+    """("exact" | "bounded" | "differs", the fp32 max |delta logits| bound) of ``config``'s design at its init, from
+    ``Design.upcycle_closeness``."""
+    from .models.residual import DESIGNS
+
+    judge = DESIGNS[config.design].upcycle_closeness
+    verdict = judge(config) if judge is not None else None
+    return verdict if verdict is not None else ("differs", None)
 
 
 # --------------------------------------------------------------------------------------------- the conversion
@@ -275,7 +274,7 @@ def upcycle(model, design: str, *, sample: torch.Tensor | None = None, seed: int
     """``(upcycled causal LM of design, UpcycleReport)`` from ``model`` (a Llama / Mistral / Qwen2 / Qwen3 /
     hf_depth Pre-LN causal LM, or its save_pretrained folder) with the same weights.
 
-    ``config``: the design's config fields (they win over the source's and over ``FUNCTION_PRESERVING``).
+    ``config``: the design's config fields (they win over the source's and over ``Design.upcycle_fields``).
     ``sample``: token ids the closeness is measured on (default: 2 x 16 random ids, seeded). The new parameters
     are drawn with ``torch.manual_seed(seed)``. An ``exact`` or ``bounded`` design that misses its bound raises
     RuntimeError (a weight the mapping missed); the report is printed when ``verbose``."""
@@ -311,7 +310,7 @@ def upcycle(model, design: str, *, sample: torch.Tensor | None = None, seed: int
     )
     if bound is not None and not diff <= bound:
         raise RuntimeError(f"upcycle to {design!r} should be {expected} (max|dlogits| <= {bound:.0e}) but measured "
-                           f"{diff:.3e}: a source weight was not carried over")
+                           f"{diff:.3e}: a source weight or field was not carried over")
     if verbose:
         print(report)
     return target.to(dtype), report
@@ -413,4 +412,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 __all__ = ["upcycle", "UpcycleReport", "save_upcycled", "source_fields", "expected_closeness", "compare",
-           "FUNCTION_PRESERVING", "EXACT_TOL", "MHC_IDENTITY_BOUND"]
+           "function_preserving", "MHC_IDENTITY_BOUND", "EXACT_TOL", "MHC_IDENTITY_BOUND"]

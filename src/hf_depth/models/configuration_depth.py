@@ -180,6 +180,8 @@ class DepthConfig(PretrainedConfig):
         head_dim: per-head width; ``None`` means hidden_size // num_attention_heads.
         max_position_embeddings: longest sequence the RoPE tables are sized for (RoPE itself extrapolates).
         rope_theta: RoPE base.
+        rope_scaling_factor: linear RoPE scaling (transformers' ``rope_type="linear"``): the inverse frequencies
+            divided by this factor, i.e. positions compressed by it; 1.0 (default) is plain RoPE.
         rms_norm_eps: epsilon of every RMSNorm (1e-6 as DepthBench).
         initializer_range: std of the truncated-normal init of linear and embedding weights.
         init_cutoff_factor: truncation of that init, in stds (DepthBench: 3).
@@ -207,6 +209,7 @@ class DepthConfig(PretrainedConfig):
     head_dim: int | None = None
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    rope_scaling_factor: float = 1.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     init_cutoff_factor: float = 3.0
@@ -294,6 +297,9 @@ class DepthConfig(PretrainedConfig):
             )
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be a positive number, got {self.rope_theta!r}")
+        if not isinstance(self.rope_scaling_factor, (int, float)) or self.rope_scaling_factor <= 0:
+            raise ValueError(f"`rope_scaling_factor` must be a positive number (1.0: no scaling), got "
+                             f"{self.rope_scaling_factor!r}")
         if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"`rms_norm_eps` must be in (0, 1), got {self.rms_norm_eps!r}")
         _non_negative("initializer_range", self.initializer_range)

@@ -38,7 +38,7 @@ from .depth_ops import SourceBank, depth_aggregate
 from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
-from .residual import Design, ResidualStream, SublayerConnection, register
+from .residual import UPCYCLE_EXACT_TOL, Design, ResidualStream, SublayerConnection, register
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
 
@@ -305,6 +305,13 @@ class BlockAttnResForCausalLM(DepthForCausalLM):
 #: the pseudo-query w is decayed like a matrix (DepthBench decays everything but HC/mHC static routing)
 ATTNRES_PARAM_ROLES = {"query": "design"}
 
+def attnres_upcycle_closeness(config) -> tuple[str, float] | None:
+    """Zero queries and ``attnres_scale_by_sources``: every mix is the plain sum, Pre-LN's stream, eps included (with
+    the aggregation eps equal to the branch norms')."""
+    same_eps = config.attnres_norm_eps in (None, config.rms_norm_eps)
+    return ("exact", UPCYCLE_EXACT_TOL) if config.attnres_scale_by_sources and same_eps else None
+
+
 DESIGN = register(Design(
     "attnres",
     AttnResConfig,
@@ -315,6 +322,8 @@ DESIGN = register(Design(
     stream=AttnResStream,
     extra_params=attnres_extra_params,
     extra_flops=attnres_extra_flops,
+    upcycle_fields={"attnres_scale_by_sources": True},
+    upcycle_closeness=attnres_upcycle_closeness,
     summary="x_l = N_l(sum_i softmax_i(<w_l, g_l N̄(v_i)>) v_i) over the embedding and every sublayer output",
     paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
 ))
@@ -329,6 +338,8 @@ BLOCK_DESIGN = register(Design(
     stream=AttnResStream,
     extra_params=attnres_extra_params,
     extra_flops=attnres_extra_flops,
+    upcycle_fields={"attnres_scale_by_sources": True},
+    upcycle_closeness=attnres_upcycle_closeness,
     summary="AttnRes over [embedding, completed block sums, partial sum]; blocks of S sublayers",
     paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)",
 ))

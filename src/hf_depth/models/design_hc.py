@@ -43,7 +43,7 @@ from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_
 from .depth_ops import stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .modeling_depth import DepthForCausalLM, DepthModel
-from .residual import Design, ResidualStream, SublayerConnection, register
+from .residual import UPCYCLE_EXACT_TOL, Design, ResidualStream, SublayerConnection, register
 
 FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
 ROUTING_ROLES = ("routing_static", "routing_dynamic", "routing_scale")
@@ -334,6 +334,11 @@ class HCForCausalLM(DepthForCausalLM):
     base_model_class = HCModel
 
 
+def hc_upcycle_closeness(config) -> tuple[str, float] | None:
+    """``mean_then_norm``: the n equal streams reduce to Pre-LN's stream exactly (routing at its init)."""
+    return ("exact", UPCYCLE_EXACT_TOL) if config.hc_final_reduce == "mean_then_norm" else None
+
+
 DESIGN = register(Design(
     "hc",
     HCConfig,
@@ -345,6 +350,8 @@ DESIGN = register(Design(
     init_scale=output_init_scale,
     extra_params=hc_extra_params,
     extra_flops=hc_extra_flops,
+    upcycle_fields={"hc_final_reduce": "mean_then_norm"},
+    upcycle_closeness=hc_upcycle_closeness,
     summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
     paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",
 ))

@@ -7,7 +7,7 @@ Extra parameters: none. DepthBench LR 2e-3. Equal to ``transformers.LlamaForCaus
 
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
-from .residual import Design, register
+from .residual import Design, register, upcycle_exact
 
 
 class PreLNConfig(DepthConfig):
@@ -36,6 +36,7 @@ DESIGN = register(Design(
     PreLNModel,
     PreLNForCausalLM,
     param_roles={},
+    upcycle_closeness=upcycle_exact,
     summary="h <- h + F(N(h))",
     paper="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture (arXiv 2002.04745)",
 ))

@@ -39,7 +39,8 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 # ----------------------------------------------------------------------------------------------- RoPE
 class DepthRotaryEmbedding(nn.Module):
-    """Default RoPE, identical to Llama's (cos/sin computed in fp32, cast to the activation dtype)."""
+    """Default RoPE, identical to Llama's (cos/sin computed in fp32, cast to the activation dtype); with
+    ``rope_scaling_factor`` != 1 Llama's ``linear`` scaling."""
 
     def __init__(self, config: DepthConfig):
         super().__init__()
@@ -49,7 +50,9 @@ class DepthRotaryEmbedding(nn.Module):
     @staticmethod
     def compute_inv_freq(config: DepthConfig) -> torch.Tensor:
         dim = config.head_dim
-        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        factor = getattr(config, "rope_scaling_factor", 1.0)
+        return inv_freq if factor == 1.0 else inv_freq / factor  # linear scaling (transformers' rope_type "linear")
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
