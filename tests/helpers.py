@@ -39,3 +39,17 @@ def train_steps(model, x, opt, steps: int) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def run_without_hf_depth(folder, code: str):
+    """Run ``code`` in a fresh Python where ``import hf_depth`` fails (offline Hub), from ``folder``: what a user
+    without the package sees when loading a saved folder by remote code. Returns the CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    hide = folder / "hide"
+    hide.mkdir(exist_ok=True)
+    (hide / "hf_depth.py").write_text("raise ImportError('hf_depth must not be imported')\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(hide), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=folder, env=env, timeout=300)

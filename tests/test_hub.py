@@ -1,13 +1,11 @@
 """Export a finished run: a complete Hub folder that loads without hf_depth, and a valid model card."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
+from helpers import run_without_hf_depth
 from training_helpers import hf_depth_cache, tiny_recipe, write_corpus  # noqa: F401
 
 from hf_depth import hub
@@ -50,11 +48,7 @@ assert out.shape[1] == ids.shape[1] + 5 and m.generation_config.eos_token_id == 
 assert 'hf_depth' not in sys.modules and type(m).__module__.startswith('transformers_modules')
 print('OK')
 """
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "hf_depth.py").write_text("raise ImportError('hf_depth must not be imported')\n")
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(hide), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    r = run_without_hf_depth(tmp_path, code)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 

@@ -15,7 +15,8 @@ def built_count(config) -> int:
 
 
 @pytest.mark.parametrize("design", sorted(hf_depth.DESIGNS))
-@pytest.mark.parametrize("extra", [{}, {"num_key_value_heads": 4}, {"attention_bias": True}, {"scale_vector": "none"}])
+@pytest.mark.parametrize("extra", [{}, {"num_key_value_heads": 4}, {"attention_bias": True}, {"scale_vector": "none"},
+                                   {"qkv_bias": True}, {"use_qk_norm": True, "attention_bias": True}])
 def test_count_matches_built_model(design, extra):
     cfg = tiny_config(design, **extra)
     assert shapes.count_params(cfg) == built_count(cfg)

@@ -53,7 +53,9 @@ def model_for(design: str, **kwargs) -> DepthForCausalLM:
     return MODEL_CLASSES[config.design][1](config)
 
 
+from .upcycling import upcycle  # noqa: E402  (needs the registry above)
+
 __all__ = [
-    "DESIGNS", "MODEL_CLASSES", "Design", "DepthConfig", "DepthForCausalLM", "DepthModel", "DepthPreTrainedModel",
+    "upcycle", "DESIGNS", "MODEL_CLASSES", "Design", "DepthConfig", "DepthForCausalLM", "DepthModel", "DepthPreTrainedModel",
     "config_for", "model_for", "register_design", "__version__",
 ]

@@ -21,6 +21,7 @@ COMMANDS = {
     "eval": ("hf_depth.evaluation.cli", "lm-eval tasks (NLL and generative) on a model"),
     "val-loss": ("hf_depth.evaluation.perplexity", "validation loss / perplexity on held-out text"),
     "diagnose": ("hf_depth.diagnostics.cli", "depth diagnostics report (angular, causal, permutation, ...)"),
+    "upcycle": ("hf_depth.upcycling", "turn a Llama / Mistral / Qwen2 / Qwen3 model into a depth design (same weights)"),
     "convert-olmo-core": ("hf_depth.olmo_core", "convert a DepthBench / OLMo-core checkpoint to hf_depth"),
     "kernels": ("hf_depth.models.dispatch", "which implementation (Triton kernel or PyTorch reference) serves each op"),
 }

@@ -40,6 +40,9 @@ def pre_ln_config_to_llama(config) -> LlamaConfig:
             f"only design='pre_ln' with scale_vector='standard' is a Llama; got design={config.design!r}, "
             f"scale_vector={config.scale_vector!r}"
         )
+    for name in ("qkv_bias", "use_qk_norm"):  # Qwen2's / Qwen3's attention: no LlamaConfig field expresses them
+        if getattr(config, name, False):
+            raise ValueError(f"`{name}=True` has no Llama equivalent: only a Pre-LN without it converts to Llama")
     return LlamaConfig(
         **{k: getattr(config, k) for k in SHARED_FIELDS},
         rope_parameters={"rope_type": "default", "rope_theta": float(config.rope_theta)},

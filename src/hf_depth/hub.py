@@ -177,6 +177,11 @@ def write_model_card(folder: str | Path, run_dir: str | Path, extra_sections: di
     diag = diagnostics_section(run_dir)
     if diag is not None:
         sections.setdefault("Depth diagnostics", diag)
+    from .training.init_from import section as init_from_section
+
+    upcycled = init_from_section(run_dir)
+    if upcycled is not None:
+        sections.setdefault("Continued from an upcycled model: diagnostics before / after", upcycled)
     extra = "".join(f"\n## {k}\n\n{v.strip()}\n" for k, v in sections.items())
     dataset, _ = _dataset_name(recipe)
 

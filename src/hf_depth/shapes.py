@@ -29,8 +29,10 @@ def backbone_params(config: DepthConfig) -> int:
     d, f, V, L = config.hidden_size, config.intermediate_size, config.vocab_size, config.num_hidden_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     attn = d * q + 2 * d * kv + q * d
-    if config.attention_bias:
-        attn += q + 2 * kv + d
+    if config.attention_bias or getattr(config, "qkv_bias", False):
+        attn += q + 2 * kv + (d if config.attention_bias else 0)  # Qwen2's qkv_bias: none on o
+    if getattr(config, "use_qk_norm", False):
+        attn += 2 * config.head_dim  # the per-head q_norm / k_norm weights
     attn += projection_scales_param_count(config, {"q": (d, q), "k": (d, kv), "v": (d, kv)})
     mlp = 3 * d * f + projection_scales_param_count(config, {"gate": (d, f), "up": (d, f)})
     norms = 2 * norm_param_count(config, kind="rms")

@@ -1,7 +1,9 @@
 """``hf-depth diagnose MODEL --data FILE --out DIR``: the full depth-diagnostics report of one model.
 
-MODEL is a saved model folder (any hf_depth design, or a plain Llama checkpoint); a folder that asks to run
-its own code (``auto_map``) is refused unless ``--trust-remote-code`` is given (:mod:`hf_depth.loading`). The report lands in
+MODEL is a saved model folder or a Hub id: any hf_depth design, or a decoder of a supported family (Llama,
+Mistral, Qwen2, Qwen3, Gemma2/3, Phi3, OLMo2, GPT-2, GPT-NeoX/Pythia; ``adapters.py``); any other family is
+refused with one line, and a folder that asks to run its own code (``auto_map``) is refused unless
+``--trust-remote-code`` is given (:mod:`hf_depth.loading`). The report lands in
 ``DIR/report.json``, ``DIR/report.md`` and ``DIR/*.png``; the headline numbers are printed as JSON.
 
     hf-depth diagnose runs/tiny-pre-ln --data calib.jsonl --out diag/ --seq-len 128 --num-samples 16
@@ -22,7 +24,7 @@ from .report import MEASUREMENTS, headline, run_diagnostics, write_report
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hf-depth diagnose", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="saved model folder (hf_depth design or LlamaForCausalLM)")
+    p.add_argument("model", help="saved model folder or Hub id (hf_depth design or a supported decoder family)")
     p.add_argument("--data", default=DEFAULT_DATASET,
                    help=f"calibration data: .txt/.jsonl/.json/.pt/.npy, or hf:NAME[:CONFIG[:SPLIT]] (default {DEFAULT_DATASET})")
     p.add_argument("--out", required=True, help="output folder")
@@ -48,9 +50,19 @@ def parser() -> argparse.ArgumentParser:
 
 def _load(args):
     import torch
+    from transformers import AutoConfig
 
-    from ..loading import load_model, load_tokenizer
+    from ..loading import check_remote_code, load_model, load_tokenizer
+    from .adapters import adapter_class, supported_families
 
+    trust = check_remote_code(args.model, args.trust_remote_code)  # before any of the folder's code can run
+
+    try:
+        config = AutoConfig.from_pretrained(args.model, trust_remote_code=trust)
+    except (OSError, ValueError, KeyError) as e:  # an unknown model_type, a missing folder
+        raise ValueError(f"cannot read the config of {args.model!r} ({type(e).__name__}); the diagnostics know "
+                         f"{supported_families()}") from None
+    adapter_class(config)  # refuse an unknown family before loading any weight
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(args.model, trust_remote_code=args.trust_remote_code,
                        dtype=getattr(torch, args.dtype)).to(device).eval()
@@ -67,7 +79,11 @@ def _load(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    model, tok = _load(args)
+    try:
+        model, tok = _load(args)
+    except ValueError as e:
+        print(f"hf-depth diagnose: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     batches = load_calibration(args.data, tok, args.seq_len, args.num_samples, args.batch_size, args.seed, pad,
                                vocab_size=model.config.vocab_size)

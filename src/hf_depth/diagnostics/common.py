@@ -1,6 +1,8 @@
-"""What every diagnostic needs from a model, for any hf_depth design and for plain ``LlamaForCausalLM``.
+"""What every diagnostic needs from a model, for any hf_depth design and any supported Hub decoder family.
 
-Only generic interfaces are used:
+Where a family keeps its layers, branches, norms and readout is its adapter's business (``adapters.py``:
+Llama, Mistral, Qwen2/3, Gemma2/3, Phi3, OLMo2, GPT-2, GPT-NeoX); below in Llama's names. Only generic
+interfaces are used:
 
 * ``model(input_ids, attention_mask, output_hidden_states=True).hidden_states``: L + 1 entries ``[B, T, d]``.
   The last entry is *after* the final norm (Llama and hf_depth alike), so :func:`forward_states` replaces it
@@ -37,6 +39,7 @@ import torch
 from torch import nn
 
 from ..utils import next_token_nll
+from .adapters import adapter_for
 
 BRANCHES = ("self_attn", "mlp")
 BRANCH_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -76,12 +79,7 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    base = base_model(model)
-    if hasattr(base, "get_decoder_layers"):
-        return base.get_decoder_layers()
-    if hasattr(base, "layers"):
-        return base.layers
-    raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (expected `model.model.layers`)")
+    return adapter_for(model).layers()
 
 
 def num_layers(model: nn.Module) -> int:
@@ -98,10 +96,7 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def _collapse_fn(model):
-    stream = getattr(base_model(model), "stream", None)
-    if stream is not None and hasattr(stream, "collapse"):
-        return stream.collapse
-    return lambda s: s[0] if isinstance(s, (tuple, list)) else s
+    return adapter_for(model).collapse
 
 
 @contextlib.contextmanager
@@ -166,9 +161,10 @@ def _zero_output(module, args, out):
 @contextlib.contextmanager
 def skip_layer(model: nn.Module, layer_idx: int) -> Iterator[None]:
     """Make layer ``layer_idx``'s branches (``self_attn`` and ``mlp``) output zeros (see the module docstring)."""
-    layer = decoder_layers(model)[layer_idx]
+    adapter = adapter_for(model)
+    layer = adapter.layers()[layer_idx]
     handles = []
-    for name in BRANCHES:
+    for name in adapter.branches:
         mod = getattr(layer, name, None)
         if mod is None:
             raise ValueError(f"layer {layer_idx} of {type(model).__name__} has no `{name}` branch")
@@ -180,10 +176,10 @@ def skip_layer(model: nn.Module, layer_idx: int) -> Iterator[None]:
             h.remove()
 
 
-def branch_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of a layer's branches and their input norms, by qualified name."""
+def branch_tensors(layer: nn.Module, names=(*BRANCHES, *BRANCH_NORMS)) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of a layer's branches and their norms (``names``: the family's), by name."""
     out = {}
-    for name in (*BRANCHES, *BRANCH_NORMS):
+    for name in names:
         mod = getattr(layer, name, None)
         if mod is None:
             continue
@@ -194,9 +190,14 @@ def branch_tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _branch_pair(model: nn.Module, i: int, j: int):
+    adapter = adapter_for(model)
+    layers, names = adapter.layers(), (*adapter.branches, *adapter.branch_norms)
+    return branch_tensors(layers[i], names), branch_tensors(layers[j], names)
+
+
 def swappable(model: nn.Module, i: int, j: int) -> bool:
-    layers = decoder_layers(model)
-    a, b = branch_tensors(layers[i]), branch_tensors(layers[j])
+    a, b = _branch_pair(model, i, j)
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a)
 
 
@@ -208,10 +209,9 @@ def _swap_data(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 @contextlib.contextmanager
 def swap_layers(model: nn.Module, i: int, j: int) -> Iterator[None]:
     """Exchange the branch weights of layers ``i`` and ``j`` in place (pointer swap), and back on exit."""
-    layers = decoder_layers(model)
     if not swappable(model, i, j):
         raise ValueError(f"layers {i} and {j} have branch tensors of different names/shapes: cannot swap")
-    a, b = branch_tensors(layers[i]), branch_tensors(layers[j])
+    a, b = _branch_pair(model, i, j)
     _swap_data(a, b)
     try:
         yield

@@ -3,7 +3,8 @@ and measured activation memory, peak memory and tokens/s on the current device.
 
 **FLOPs** are counted per sequence of ``T`` tokens (default 4096), 2 FLOPs per multiply-add, matmuls only:
 
-* ``linear``: q/k/v/o and the three SwiGLU projections of every layer, ``2 T (d q + 2 d kv + q d + 3 d f)``;
+* ``linear``: q/k/v/o and the three SwiGLU projections of every layer, ``2 T (d q + 2 d kv + q d + 3 d f)``
+  (two FFN matrices for GPT-2 / GPT-NeoX's GELU MLP; the family's adapter says which);
 * ``attention_full``: ``Q K^T`` and ``P V`` over the full ``T x T`` square, ``4 T^2 H hd`` per layer (what a FLOP
   counter sees for eager or SDPA attention); ``attention_causal`` counts only the ``T (T + 1) / 2`` visible pairs;
 * ``lm_head``: ``2 T d V``;
@@ -32,14 +33,16 @@ from torch import nn
 
 from ..models.residual import DESIGNS, STREAM_BYTES, rms_norm_saved_bytes
 from ..models.residual import extra_linear_flops as _extra_linear_flops
+from .adapters import adapter_class, is_hf_depth
 
 
 def _dims(config) -> dict:
     d, H = config.hidden_size, config.num_attention_heads
     hd = getattr(config, "head_dim", None) or d // H
     kvh = getattr(config, "num_key_value_heads", None) or H
-    return dict(d=d, H=H, hd=hd, q=H * hd, kv=kvh * hd, kvh=kvh, f=config.intermediate_size,
-                V=config.vocab_size, L=config.num_hidden_layers)
+    family = adapter_class(config)  # the FFN's width and matrix count (SwiGLU 3, GPT-2 / NeoX GELU MLP 2)
+    return dict(d=d, H=H, hd=hd, q=H * hd, kv=kvh * hd, kvh=kvh, f=family.ffn_width(config),
+                ffn_matrices=family.ffn_matrices, V=config.vocab_size, L=config.num_hidden_layers)
 
 
 def _design_name(config) -> str:
@@ -62,7 +65,10 @@ def extra_linear_flops(model: nn.Module | None, T: int) -> int:
 
 
 def design_extra_flops(config, T: int, model: nn.Module | None = None) -> dict:
-    """The design's own count (``Design.extra_flops``); other models: their non-standard ``nn.Linear``."""
+    """The design's own count (``Design.extra_flops``); other hf_depth models: their non-standard ``nn.Linear``;
+    a Hub family (fused or Conv1D projections): no design extras."""
+    if not is_hf_depth(config):
+        return {"matmul": 0, "other": 0}
     design = _design(config, model)
     count = design.extra_flops if design is not None else _extra_linear_flops
     return dict(count(config, T, model))
@@ -72,7 +78,7 @@ def prefill_flops(config, seq_len: int = 4096, model: nn.Module | None = None) -
     """Analytic prefill FLOPs of one sequence of ``seq_len`` tokens (see the module docstring)."""
     T, g = seq_len, _dims(config)
     L = g["L"]
-    linear = L * 2 * T * (g["d"] * g["q"] + 2 * g["d"] * g["kv"] + g["q"] * g["d"] + 3 * g["d"] * g["f"])
+    linear = L * 2 * T * (g["d"] * g["q"] + 2 * g["d"] * g["kv"] + g["q"] * g["d"] + g["ffn_matrices"] * g["d"] * g["f"])
     attn_full = L * 4 * T * T * g["H"] * g["hd"]
     attn_causal = L * 4 * (T * (T + 1) // 2) * g["H"] * g["hd"]
     head = 2 * T * g["d"] * g["V"]

@@ -12,6 +12,7 @@ import time
 
 from ..utils import write_text_atomic
 from . import angular, causal, conventions, cost, logit_lens, paths, permutation, plots, pruning
+from .adapters import adapter_for
 from .common import as_batches, late_start, mean_loss, nan_to_none, num_layers
 
 MEASUREMENTS = ("angular", "causal", "pruning", "permutation", "logit_lens", "paths", "cost")
@@ -35,6 +36,7 @@ def run_diagnostics(model, batches, measurements=MEASUREMENTS, flops_seq_len: in
     rep: dict = {
         "model": {
             "class": type(model).__name__,
+            "family": adapter_for(model).family,
             "design": getattr(cfg, "design", None) or getattr(cfg, "model_type", None),
             "num_hidden_layers": L,
             "hidden_size": cfg.hidden_size,

@@ -197,12 +197,17 @@ class DepthConfig(PretrainedConfig):
         head_dim: per-head width; ``None`` means hidden_size // num_attention_heads.
         max_position_embeddings: longest sequence the RoPE tables are sized for (RoPE itself extrapolates).
         rope_theta: RoPE base.
+        rope_scaling_factor: linear RoPE scaling (transformers' ``rope_type="linear"``): the inverse frequencies
+            divided by this factor, i.e. positions compressed by it; 1.0 (default) is plain RoPE.
         rms_norm_eps: epsilon of every RMSNorm (1e-6 as DepthBench).
         initializer_range: std of the truncated-normal init of linear and embedding weights.
         init_cutoff_factor: truncation of that init, in stds (DepthBench: 3).
         scale_vector: the RMSNorm scale-vector variant, ``standard`` (Llama), ``none`` or a ``+``-joined
             combination of HG, AP/DP/DNP, OR/ER (see ``norms.py``); ``best`` = ``HG+DNP+OR``.
-        attention_bias: biases on q/k/v/o (DepthBench: False).
+        attention_bias: biases on q/k/v/o (DepthBench: False; Llama's ``attention_bias``).
+        qkv_bias: biases on q/k/v only, none on o (Qwen2's attention); exclusive with ``attention_bias``.
+        use_qk_norm: a per-head RMSNorm (width ``head_dim``, eps ``rms_norm_eps``, weights ``q_norm`` /
+            ``k_norm``) on the queries and keys after their projection and before RoPE (Qwen3's attention).
         attention_dropout: dropout on attention probabilities.
         tie_word_embeddings: must stay False (DepthBench uses untied embeddings).
     """
@@ -221,11 +226,14 @@ class DepthConfig(PretrainedConfig):
     head_dim: int | None = None
     max_position_embeddings: int = 4096
     rope_theta: float = 10000.0
+    rope_scaling_factor: float = 1.0
     rms_norm_eps: float = 1e-6
     initializer_range: float = 0.02
     init_cutoff_factor: float = 3.0
     scale_vector: str = "standard"
     attention_bias: bool = False
+    qkv_bias: bool = False
+    use_qk_norm: bool = False
     attention_dropout: float = 0.0
     hidden_act: str = "silu"
     use_cache: bool = True
@@ -326,6 +334,9 @@ class DepthConfig(PretrainedConfig):
             )
         if not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0:
             raise ValueError(f"`rope_theta` must be a positive number, got {self.rope_theta!r}")
+        if not isinstance(self.rope_scaling_factor, (int, float)) or self.rope_scaling_factor <= 0:
+            raise ValueError(f"`rope_scaling_factor` must be a positive number (1.0: no scaling), got "
+                             f"{self.rope_scaling_factor!r}")
         if not isinstance(self.rms_norm_eps, (int, float)) or not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"`rms_norm_eps` must be in (0, 1), got {self.rms_norm_eps!r}")
         _non_negative("initializer_range", self.initializer_range)
@@ -334,6 +345,9 @@ class DepthConfig(PretrainedConfig):
         if not isinstance(self.attention_dropout, (int, float)) or not 0 <= self.attention_dropout < 1:
             raise ValueError(f"`attention_dropout` must be in [0, 1), got {self.attention_dropout!r}")
         _choice("hidden_act", self.hidden_act, ("silu",))
+        if self.attention_bias and self.qkv_bias:
+            raise ValueError("`qkv_bias` (biases on q/k/v, Qwen2) and `attention_bias` (biases on q/k/v/o, Llama) "
+                             "exclude each other: set at most one of them to True")
         if self.tie_word_embeddings:
             raise ValueError("`tie_word_embeddings` must be False: hf_depth models use untied embeddings (DepthBench)")
         parse_scale_vector(self.scale_vector)

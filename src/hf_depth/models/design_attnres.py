@@ -39,7 +39,7 @@ from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
 from .olmo_rules import OlmoRules, norm, one, pre_norms
-from .residual import STREAM_BYTES, Design, ResidualStream, SublayerConnection, register
+from .residual import STREAM_BYTES, UPCYCLE_EXACT_TOL, Design, ResidualStream, SublayerConnection, register
 
 ATTNRES_SCHEDULES = ("fixed", "depth_aware")
 
@@ -51,12 +51,19 @@ class AttnResConfig(DepthConfig):
     Args:
         attnres_norm_eps: eps of the aggregation key norms and of the norm of each aggregation's output;
             ``None`` (default) uses ``rms_norm_eps``. DepthBench checkpoints: 1e-5 (OLMo-core's default).
+        attnres_scale_by_sources: multiply each depth mix by its number of sources K (a constant of the
+            sublayer) before its norm. With zero queries the mix is then the plain sum of the sources, i.e. the
+            Pre-LN residual stream, and the model equals Pre-LN exactly, eps included (the default mean, 1/K of
+            it, equals Pre-LN only up to eps: N(h / K) != N(h) where |h|^2 / d is not >> K^2 eps).
+            ``hf_depth.upcycle`` sets it so that an upcycled model computes its source's function. Default
+            False: the paper's and DepthBench's mean.
     """
 
     model_type = "hf_depth_attnres"
     design = "attnres"
 
     attnres_norm_eps: float | None = None
+    attnres_scale_by_sources: bool = False
 
     def validate_design(self):
         v = self.attnres_norm_eps
@@ -148,6 +155,7 @@ class DepthAggregation(nn.Module):
         # an Input-Norm (its gamma folds into the query) with one consumer: it keeps its gamma under HG/AP
         self.key_norm = make_norm(config, role="input", final=True)
         self.eps = config.attnres_eps
+        self.scale_by_sources = bool(getattr(config, "attnres_scale_by_sources", False))
         self._last_weights: torch.Tensor | None = None
 
     def reset_design_parameters(self):
@@ -157,6 +165,8 @@ class DepthAggregation(nn.Module):
         """``sources[:stable]`` (default all) never change after this call; at most one partial sum follows.
         Saved for backward: the sources once per forward (their bank), never a stacked copy per sublayer."""
         out, p = depth_aggregate(self.query, self.key_norm.gamma(), sources, self.eps, stable)
+        if self.scale_by_sources:  # K * mean at zero queries: the plain sum of the sources (attnres_scale_by_sources)
+            out = out * len(sources)
         self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
         return out
 
@@ -344,12 +354,21 @@ _SHARED = dict(param_roles=ATTNRES_PARAM_ROLES, connection=AttnResConnection, st
                extra_activation_bytes=attnres_extra_activation_bytes,
                paper="Kimi Team 2026, Attention Residuals (arXiv 2603.15031)")
 
+def attnres_upcycle_closeness(config) -> tuple[str, float] | None:
+    """Zero queries and ``attnres_scale_by_sources``: every mix is the plain sum, Pre-LN's stream, eps included (with
+    the aggregation eps equal to the branch norms')."""
+    same_eps = config.attnres_norm_eps in (None, config.rms_norm_eps)
+    return ("exact", UPCYCLE_EXACT_TOL) if config.attnres_scale_by_sources and same_eps else None
+
+
 DESIGN = register(Design(
     "attnres", AttnResConfig, AttnResModel, AttnResForCausalLM, olmo=OLMO, **_SHARED,
+    upcycle_fields={"attnres_scale_by_sources": True}, upcycle_closeness=attnres_upcycle_closeness,
     summary="x_l = N_l(sum_i softmax_i(<w_l, g_l N̄(v_i)>) v_i) over the embedding and every sublayer output",
 ))
 
 BLOCK_DESIGN = register(Design(
     "block_attnres", BlockAttnResConfig, BlockAttnResModel, BlockAttnResForCausalLM, olmo=BLOCK_OLMO, **_SHARED,
+    upcycle_fields={"attnres_scale_by_sources": True}, upcycle_closeness=attnres_upcycle_closeness,
     summary="AttnRes over [embedding, completed block sums, partial sum]; blocks of S sublayers",
 ))

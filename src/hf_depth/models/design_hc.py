@@ -45,7 +45,15 @@ from .depth_ops import SEGMENT, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, fold_aliases, one, pre_norms
-from .residual import STREAM_BYTES, Design, ResidualStream, SublayerConnection, register, rms_norm_saved_bytes
+from .residual import (
+    STREAM_BYTES,
+    UPCYCLE_EXACT_TOL,
+    Design,
+    ResidualStream,
+    SublayerConnection,
+    register,
+    rms_norm_saved_bytes,
+)
 
 FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
 ROUTING_ROLES = ("routing_static", "routing_dynamic", "routing_scale")
@@ -415,8 +423,14 @@ OLMO = OlmoRules(
         else "H' = H + beta y, no stream mixing (earlier hyper_connections.py @ 5152cab)")},
 )
 
+def hc_upcycle_closeness(config) -> tuple[str, float] | None:
+    """``mean_then_norm``: the n equal streams reduce to Pre-LN's stream exactly (routing at its init)."""
+    return ("exact", UPCYCLE_EXACT_TOL) if config.hc_final_reduce == "mean_then_norm" else None
+
+
 DESIGN = register(Design(
     "hc", HCConfig, HCModel, HCForCausalLM, connection=HCConnection, param_roles=HCConnection.param_roles,
+    upcycle_fields={"hc_final_reduce": "mean_then_norm"}, upcycle_closeness=hc_upcycle_closeness,
     extra_params=hc_extra_params, extra_flops=hc_extra_flops, olmo=OLMO, **MULTI_STREAM,
     summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
     paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",

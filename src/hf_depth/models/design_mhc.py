@@ -329,8 +329,21 @@ OLMO = OlmoRules(
     record=lambda config, backend: {"mhc_backend": backend},
 )
 
+MHC_IDENTITY_BOUND = 1e-4
+"""fp32 max |delta logits| allowed when upcycling to mHC ``identity``: measured at most 6e-7 on the tiny test configs
+(logits up to ~0.4); the sigmoid(-8) = 3.4e-4 leak of the init, which the branch norms remove up to eps, is the scale
+of what the init could allow; 1e-4 keeps a 100x margin over the measurement and sits below that leak."""
+
+
+def mhc_upcycle_closeness(config) -> tuple[str, float] | None:
+    """Identity init (phi = 0, +-8 biases) with ``mean_then_norm``: Pre-LN's function up to the sigmoid(-8) leak."""
+    ok = config.mhc_init == "identity" and config.mhc_final_reduce == "mean_then_norm"
+    return ("bounded", MHC_IDENTITY_BOUND) if ok else None
+
+
 DESIGN = register(Design(
     "mhc", MHCConfig, MHCModel, MHCForCausalLM, connection=MHCConnection, param_roles=MHCConnection.param_roles,
+    upcycle_fields={"mhc_init": "identity"}, upcycle_closeness=mhc_upcycle_closeness,
     extra_params=mhc_extra_params, extra_flops=mhc_extra_flops, olmo=OLMO, **MULTI_STREAM,
     summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
     "H_post = 2 sigmoid",

@@ -8,7 +8,7 @@ Extra parameters: none. DepthBench LR 2e-3. Equal to ``transformers.LlamaForCaus
 from .configuration_depth import DepthConfig
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules
-from .residual import Design, register
+from .residual import Design, register, upcycle_exact
 
 
 class PreLNConfig(DepthConfig):
@@ -41,6 +41,7 @@ DESIGN = register(Design(
     PreLNForCausalLM,
     param_roles={},
     olmo=OLMO,
+    upcycle_closeness=upcycle_exact,
     summary="h <- h + F(N(h))",
     paper="Xiong et al. 2020, On Layer Normalization in the Transformer Architecture (arXiv 2002.04745)",
 ))

@@ -41,7 +41,8 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 # ----------------------------------------------------------------------------------------------- RoPE
 class DepthRotaryEmbedding(nn.Module):
-    """Default RoPE, identical to Llama's (cos/sin computed in fp32, cast to the activation dtype)."""
+    """Default RoPE, identical to Llama's (cos/sin computed in fp32, cast to the activation dtype); with
+    ``rope_scaling_factor`` != 1 Llama's ``linear`` scaling."""
 
     def __init__(self, config: DepthConfig):
         super().__init__()
@@ -51,7 +52,9 @@ class DepthRotaryEmbedding(nn.Module):
     @staticmethod
     def compute_inv_freq(config: DepthConfig) -> torch.Tensor:
         dim = config.head_dim
-        return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        factor = getattr(config, "rope_scaling_factor", 1.0)
+        return inv_freq if factor == 1.0 else inv_freq / factor  # linear scaling (transformers' rope_type "linear")
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,18 +108,27 @@ class DepthAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
         d, q_out, kv_out = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(d, q_out, bias=config.attention_bias)
-        self.k_proj = nn.Linear(d, kv_out, bias=config.attention_bias)
-        self.v_proj = nn.Linear(d, kv_out, bias=config.attention_bias)
+        qkv_bias = config.attention_bias or getattr(config, "qkv_bias", False)  # Llama: q/k/v/o; Qwen2: q/k/v
+        self.q_proj = nn.Linear(d, q_out, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv_out, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv_out, bias=qkv_bias)
         self.o_proj = nn.Linear(q_out, d, bias=config.attention_bias)
+        if getattr(config, "use_qk_norm", False):  # Qwen3: per-head RMSNorm on q and k, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, role="output")  # IWD: an Output-Norm
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, role="output")
+        else:
+            self.q_norm = self.k_norm = None
         self.scales = ProjectionScales(config, {"q": (d, q_out), "k": (d, kv_out), "v": (d, kv_out)})
 
     def project_qkv(self, x: torch.Tensor):
-        """q, k, v as [B, heads, T, head_dim] before RoPE (scale vectors applied around the projections)."""
+        """q, k, v as [B, heads, T, head_dim] before RoPE (scale vectors applied around the projections, then the
+        QK-norm where ``use_qk_norm``)."""
         shape = (*x.shape[:-1], -1, self.head_dim)
         xq, xk, xv = self.scales.inputs(x)
         q = self.scales.outputs("q", self.q_proj(xq).view(shape))
         k = self.scales.outputs("k", self.k_proj(xk).view(shape))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.scales.outputs("v", self.v_proj(xv).view(shape))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 

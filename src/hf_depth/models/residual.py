@@ -29,7 +29,7 @@ The default classes below *are* Pre-LN: ``h <- h + F(N(h))``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -138,6 +138,15 @@ class AttentionCarry:
         raise NotImplementedError
 
 
+UPCYCLE_EXACT_TOL = 1e-5
+"""fp32 max |delta logits| of an ``exact`` upcycling (``Design.upcycle_closeness``)."""
+
+
+def upcycle_exact(config) -> tuple[str, float]:
+    """``Design.upcycle_closeness`` of a design that is Pre-LN's function whatever its fields (Pre-LN itself)."""
+    return "exact", UPCYCLE_EXACT_TOL
+
+
 def extra_linear_flops(config, T: int, model: nn.Module | None = None) -> dict:
     """The default ``Design.extra_flops``: 2 T in out for every ``nn.Linear`` of ``model`` outside the Llama
     projections (0 without a model)."""
@@ -198,6 +207,11 @@ class Design:
     sweep_lrs: tuple[float, ...] = DEPTHBENCH_LRS
     #: DepthBench / OLMo-core name rules (``olmo_rules.OlmoRules``), ``None``: not convertible
     olmo: Any = None
+    #: upcycling (``hf_depth.upcycling``): the config fields that make the design compute Pre-LN's function at its
+    #: init (set unless the caller gives them), and ``fn(config) -> ("exact" | "bounded", fp32 max |delta logits|
+    #: bound)`` where the config does so, else ``None`` ("differs"); ``None``: never promised
+    upcycle_fields: dict = field(default_factory=dict)
+    upcycle_closeness: Callable | None = None
     summary: str = ""
     paper: str = ""
 

@@ -58,8 +58,10 @@ def decays(policy: str, role: str, param: torch.Tensor) -> bool:
     return role not in ("input_norm", "output_norm", "bias") and param.dim() >= 2
 
 
-def build_param_groups(model: nn.Module, policy: str, weight_decay: float) -> list[dict]:
-    """AdamW groups, one per (role, decay): dicts with ``params``, ``weight_decay``, ``names``, ``role``.
+def build_param_groups(model: nn.Module, policy: str, weight_decay: float,
+                       new_params: set[str] | frozenset[str] = frozenset()) -> list[dict]:
+    """AdamW groups, one per (role, decay, new): dicts with ``params``, ``weight_decay``, ``names``, ``role``,
+    ``new`` (the parameter is in ``new_params``: newly initialized, e.g. by ``model.init_from``).
 
     Only trainable parameters are included (a PEFT model's frozen base is left out).
     """
@@ -67,19 +69,20 @@ def build_param_groups(model: nn.Module, policy: str, weight_decay: float) -> li
     if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or weight_decay < 0:
         raise ValueError(f"`weight_decay` must be a non-negative number, got {weight_decay!r}")
     roles = parameter_roles(model)
-    groups: dict[tuple[str, float], dict] = {}
+    groups: dict[tuple[str, float, bool], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         role = roles[name]
         wd = float(weight_decay) if decays(policy, role, p) else 0.0
-        g = groups.setdefault((role, wd), {"params": [], "weight_decay": wd, "names": [], "role": role})
+        new = name in new_params
+        g = groups.setdefault((role, wd, new), {"params": [], "weight_decay": wd, "names": [], "role": role, "new": new})
         g["params"].append(p)
         g["names"].append(name)
 
     def order(key):
-        role, wd = key
-        return (_ROLE_ORDER.index(role) if role in _ROLE_ORDER else len(_ROLE_ORDER), role, -wd)
+        role, wd, new = key
+        return (new, _ROLE_ORDER.index(role) if role in _ROLE_ORDER else len(_ROLE_ORDER), role, -wd)
 
     return [groups[k] for k in sorted(groups, key=order)]
 
@@ -94,15 +97,16 @@ def _patterns(names: list[str], limit: int = 4) -> str:
 
 def describe_param_groups(groups: list[dict]) -> str:
     """A table of the groups (role, weight decay, tensors, parameters, names) to print at the start of training."""
-    header = f"{'role':<15} {'decay':>7} {'tensors':>8} {'params':>13}  names"
+    header = f"{'role':<21} {'decay':>7} {'tensors':>8} {'params':>13}  names"
     rows = [header, "-" * len(header)]
     total = decayed = 0
     for g in groups:
         n = sum(p.numel() for p in g["params"])
         total += n
         decayed += n if g["weight_decay"] > 0 else 0
-        rows.append(f"{g['role']:<15} {g['weight_decay']:>7g} {len(g['params']):>8} {n:>13,}  {_patterns(g['names'])}")
-    rows.append(f"{'total':<15} {'':>7} {sum(len(g['params']) for g in groups):>8} {total:>13,}  "
+        role = g["role"] + (" (new)" if g.get("new") else "")
+        rows.append(f"{role:<21} {g['weight_decay']:>7g} {len(g['params']):>8} {n:>13,}  {_patterns(g['names'])}")
+    rows.append(f"{'total':<21} {'':>7} {sum(len(g['params']) for g in groups):>8} {total:>13,}  "
                 f"({decayed:,} decayed, {total - decayed:,} not)")
     return "\n".join(rows)
 
@@ -163,13 +167,14 @@ def make_optimizer(
     betas: tuple[float, float] = (0.9, 0.95),
     eps: float = 1e-8,
     optimizer: str = "adamw",
+    new_params: set[str] | frozenset[str] = frozenset(),
     **adamw_kwargs,
 ) -> torch.optim.Optimizer:
     """AdamW over :func:`build_param_groups` (extra keyword arguments go to ``torch.optim.AdamW``), or with
-    ``optimizer="muon"`` a :class:`MuonAdamW` over the same groups."""
+    ``optimizer="muon"`` a :class:`MuonAdamW` over the same groups; ``new_params`` get groups of their own."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"`optimizer` must be one of {list(OPTIMIZERS)}, got {optimizer!r}")
-    groups = build_param_groups(model, policy, weight_decay)
+    groups = build_param_groups(model, policy, weight_decay, new_params)
     if optimizer == "muon":
         muon, adamw = _split_for_muon(model, groups)
         return MuonAdamW(muon, adamw, lr=lr, betas=betas, eps=eps)

@@ -39,6 +39,9 @@ class ModelRecipe:
     scale_vector: str = "standard"
     #: design-specific config fields, e.g. ``{hc_streams: 4}`` (validated by the design's config)
     fields: dict = field(default_factory=dict)
+    #: start from a ``save_pretrained`` folder (e.g. ``hf-depth upcycle``'s output, or a Pre-LN ``RUN/final``):
+    #: every weight it has is loaded; the design's parameters it lacks stay at their init (``hf_depth.training.init_from``)
+    init_from: str | None = None
 
 
 @dataclass
@@ -84,6 +87,12 @@ class OptimRecipe:
     grad_clip: float = 1.0
     warmup_frac: float = 0.1
     final_lr_frac: float = 0.1
+    #: with ``model.init_from``: learning-rate multiplier of the newly initialized parameters only (the design's
+    #: own, absent from the folder or listed new in its ``upcycle.json``)
+    new_param_lr_mult: float = 1.0
+    #: with ``model.init_from``: the warmup ramps the new parameters only; the loaded ones start at the schedule's
+    #: post-warmup value
+    warmup_new_params_only: bool = False
 
 
 @dataclass
@@ -282,6 +291,17 @@ def _check_values(recipe: Recipe) -> None:
                          "whole matrices, not FSDP2 shards); allowed with fsdp2: 'adamw'")
     if recipe.optim.weight_decay < 0 or recipe.optim.grad_clip < 0 or recipe.optim.eps <= 0:
         raise ValueError("`optim.weight_decay` and `optim.grad_clip` must be >= 0 and `optim.eps` > 0")
+    o = recipe.optim
+    if o.new_param_lr_mult <= 0:
+        raise ValueError(f"`optim.new_param_lr_mult` must be positive, got {o.new_param_lr_mult!r}")
+    if recipe.model.init_from is None and (o.new_param_lr_mult != 1.0 or o.warmup_new_params_only):
+        key = "optim.new_param_lr_mult" if o.new_param_lr_mult != 1.0 else "optim.warmup_new_params_only"
+        raise ValueError(f"`{key}` acts on the parameters `model.init_from` does not provide: set `model.init_from` "
+                         "(a save_pretrained folder) or leave it at its default")
+    if recipe.model.init_from is not None:
+        from .init_from import check_folder
+
+        check_folder(recipe.model.init_from)
     if recipe.train.tokens_per_param <= 0:
         raise ValueError(f"`train.tokens_per_param` must be positive, got {recipe.train.tokens_per_param!r}")
     # the model: building the config validates the design name and every design field

@@ -40,6 +40,8 @@ from ..errors import UserError, reading, run_command
 from ..utils import flatten_dict, replace_path, temporary_sibling
 from . import distributed
 from .data import TokenStream, load_tokenizer, validation_set
+from .init_from import DIAGNOSTICS, init_config, load_init
+from .init_from import diagnostics as init_diagnostics
 from .optim import describe_param_groups, make_optimizer
 from .recipe import Recipe, load_recipe, model_config
 from .results import training_flops
@@ -138,12 +140,17 @@ def restore_rng(ckpt: Path, process_index: int, ignore: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+def warmup_steps(total_steps: int, warmup_frac: float) -> int:
+    """Optimizer steps of the linear warmup (at least one when ``warmup_frac`` > 0)."""
+    return max(1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
+
+
 def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, final_frac: float = 0.1,
           schedule: str = "cosine", decay_frac: float = 0.2) -> float:
     """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine from peak to final_frac*peak
     (``cosine``), or peak until the last ``decay_frac`` of the steps and a linear decay to final_frac*peak there
     (``wsd``, warmup-stable-decay)."""
-    warmup = max(1, math.ceil(warmup_frac * total_steps)) if warmup_frac > 0 else 0
+    warmup = warmup_steps(total_steps, warmup_frac)
     if step < warmup:
         return peak * (step + 1) / warmup
     if schedule == "wsd":
@@ -155,6 +162,15 @@ def lr_at(step: int, total_steps: int, peak: float, warmup_frac: float = 0.1, fi
         return peak * (1 - (1 - final_frac) * progress)
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def group_lr(step: int, total_steps: int, optim, new: bool) -> float:
+    """Learning rate (before the group's ``lr_scale``) of a group of new (``model.init_from``) or loaded parameters:
+    with ``optim.warmup_new_params_only`` the loaded ones skip the warmup ramp (they start at its end)."""
+    o = optim
+    if not new and o.warmup_new_params_only:
+        step = max(step, warmup_steps(total_steps, o.warmup_frac))
+    return lr_at(step, total_steps, o.lr, o.warmup_frac, o.final_lr_frac, o.schedule, o.decay_frac)
 
 
 def lm_loss(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -290,7 +306,11 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
     accelerator.wait_for_everyone()
     if not main_proc:
         tokenizer = load_tokenizer(recipe.data, run_dir)
-    config = model_config(recipe, vocab_size=len(tokenizer))
+    init_from, new_params, init_notes = recipe.model.init_from, [], []
+    if init_from is not None:
+        config, init_notes = init_config(recipe, len(tokenizer))
+    else:
+        config = model_config(recipe, vocab_size=len(tokenizer))
     if config.vocab_size < len(tokenizer):
         raise UserError(f"bad recipe: `model.vocab_size` ({config.vocab_size}) is smaller than the tokenizer's "
                         f"vocabulary ({len(tokenizer)} ids): raise it or leave it null (the tokenizer's size)")
@@ -300,15 +320,23 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
     import hf_depth
 
     model = hf_depth.MODEL_CLASSES[config.design][1](config)
+    if init_from is not None:  # the folder's weights; the design's parameters it lacks stay at their init
+        new_params, notes = load_init(model, init_from)
+        init_notes += notes
+        n_new = sum(p.numel() for n, p in model.named_parameters() if n in set(new_params))
+        say(f"[hf-depth] init_from {init_from}: {n_new:,} new parameters at the design's init"
+            + "".join(f"\n[hf-depth]   note: {n}" for n in init_notes))
     fsdp = t.parallel == "fsdp2"
     if fsdp:  # shard before the optimizer is built, so that it holds the sharded parameters
         model = distributed.shard(model.to(accelerator.device))
     n_params = count_params(config)
     p = plan(recipe, n_params, accelerator.num_processes)
     optimizer = make_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, policy=o.policy,
-                               betas=(o.beta1, o.beta2), eps=o.eps, optimizer=o.optimizer)
+                               betas=(o.beta1, o.beta2), eps=o.eps, optimizer=o.optimizer, new_params=set(new_params))
     for g in optimizer.param_groups:
         g.setdefault("lr_scale", g["lr"] / o.lr)  # the policy may scale a group's learning rate
+        if g.get("new"):
+            g["lr_scale"] *= o.new_param_lr_mult
     say(f"[hf-depth] {recipe.name}: {config.design} L={config.num_hidden_layers} d={config.hidden_size} "
         f"params={n_params:,} steps={p['steps']} tokens={p['tokens']:,} ({p['tokens'] / n_params:.1f}/param) "
         f"precision={mixed} processes={accelerator.num_processes}")
@@ -320,6 +348,10 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
 
     train_stream = TokenStream(recipe.data, tokenizer, "train", accelerator.process_index, accelerator.num_processes)
     val = validation_set(recipe.data, tokenizer, accelerator.process_index, accelerator.num_processes)
+    if init_from is not None and main_proc and not (resume and checkpoints(run_dir)):  # diagnostics before step 1
+        (run_dir / DIAGNOSTICS).write_text(json.dumps({
+            "init_from": init_from, "new_parameters": n_new, "sequences": min(8, len(val)), "notes": init_notes,
+            "before": init_diagnostics(accelerator.unwrap_model(model), val)}, indent=1))
 
     # run folder bookkeeping / resume
     metrics_path = run_dir / "metrics.jsonl"
@@ -411,9 +443,10 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
         if stop_after is not None and step >= stop_after:
             status = "interrupted"
             break
-        lr = lr_at(step, p["steps"], o.lr, o.warmup_frac, o.final_lr_frac, o.schedule, o.decay_frac)
+        lr = group_lr(step, p["steps"], o, new=True)
+        lr_loaded = group_lr(step, p["steps"], o, new=False)
         for g in optimizer.param_groups:
-            g["lr"] = lr * g["lr_scale"]
+            g["lr"] = (lr if g.get("new") else lr_loaded) * g["lr_scale"]
         loss_sum = 0.0
         for _ in range(t.grad_accum):
             x = train_stream.next_batch(t.micro_batch_size).to(accelerator.device)
@@ -447,7 +480,9 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
         step += 1
         tokens_seen += p["tokens_per_step"]
         window_tokens += p["tokens_per_step"]
-        row = {"step": step, "tokens": tokens_seen, "loss": loss_sum, "lr": lr}
+        row = {"step": step, "tokens": tokens_seen, "loss": loss_sum, "lr": lr_loaded}
+        if init_from is not None:  # the new parameters' own rate (warmup and multiplier), before policy scales
+            row["lr_new"] = lr * o.new_param_lr_mult
         if grad_norm is not None:
             row["grad_norm"] = distributed.full_value(grad_norm)
         tps = window_tokens / max(time.perf_counter() - window_start, 1e-9)
@@ -491,10 +526,19 @@ def _run(recipe: Recipe, resume: bool, stop_after: int | None, ignore_rng: bool)
             final = run_dir / "final"
             accelerator.unwrap_model(model).save_pretrained(final, state_dict=state_dict)
             tokenizer.save_pretrained(final)
+            if init_from is not None and (run_dir / DIAGNOSTICS).exists():  # before/after, for the model card
+                upcycle_diag = json.loads((run_dir / DIAGNOSTICS).read_text())
+                upcycle_diag["after"] = init_diagnostics(accelerator.unwrap_model(model), val)
+                upcycle_diag["steps"] = step
+                (run_dir / DIAGNOSTICS).write_text(json.dumps(upcycle_diag, indent=1))
     if main_proc and status != "interrupted":
         rows = read_metrics(metrics_path, drop_torn=True)
         summary["final_loss"] = rows[-1]["loss"] if rows else None
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if status == "finished" and init_from is not None:
+            from ..hub import write_model_card
+
+            write_model_card(run_dir / "final", run_dir)  # with the before/after diagnostics of init_from
     if trackers:
         accelerator.end_training()
     accelerator.wait_for_everyone()
