@@ -97,8 +97,8 @@ def _rinv(v: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- AttnRes
-def _agg_forward(qg, V, r, P, rp):
-    """Logits, softmax and weighted sum over V [K, N, d] (+ partial P [N, d]); fp32 math."""
+def _agg_forward(qg, V, r, P, rp, weighted_sum: bool = True):
+    """Logits, softmax and (``weighted_sum``) the weighted sum over V [K, N, d] (+ partial P [N, d]); fp32 math."""
     K, N, d = V.shape
     acc = qg.dtype
     Va = V if V.dtype == acc else V.to(acc)
@@ -107,6 +107,8 @@ def _agg_forward(qg, V, r, P, rp):
         Pa = P if P.dtype == acc else P.to(acc)
         z = torch.cat((z, (rp * (Pa @ qg)).unsqueeze(0)))
     p = torch.softmax(z, dim=0)
+    if not weighted_sum:  # backward: only the logits and the softmax are recomputed
+        return z, p, None
     out = p[0].unsqueeze(-1) * Va[0]  # sum_k p_k v_k, one slot at a time (einsum would copy V per token on CPU)
     for k in range(1, K):
         out.addcmul_(p[k].unsqueeze(-1), Va[k])
@@ -146,7 +148,7 @@ class _DepthAggregate(torch.autograd.Function):
         Pa = None if P is None else P.to(acc)
         rp = None if P is None else _rinv(P, ctx.eps)
         rf = r.reshape(K, -1)
-        z, p, _ = _agg_forward(qg, Vf, rf, P, rp)
+        z, p, _ = _agg_forward(qg, Vf, rf, P, rp, weighted_sum=False)
         do = dout.reshape(-1, d).to(acc)
         dp = torch.einsum("nd,knd->kn", do, Va)
         if P is not None:
@@ -262,6 +264,19 @@ def _moda_probs(q, kr, mask, scaling, dk, depth_mask, low):
     return torch.softmax(torch.cat((scores, depth_scores), dim=-1), dim=-1), tk, mask
 
 
+def _rep(x: torch.Tensor | None, n_rep: int, dim: int, acc: torch.dtype) -> torch.Tensor | None:
+    """``x.repeat_interleave(n_rep, dim).to(acc)`` without the copies when they are no-ops (MHA, fp32)."""
+    if x is None:
+        return None
+    return (x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)).to(acc)
+
+
+def _depth_mix(w: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """sum_s w[..., s] dv[s] for w [B, H, T, D] and dv [D, B, H, T, hd]: one batched [1, D] @ [D, hd] per token
+    (the broadcast product would write a [D, B, H, T, hd] temporary)."""
+    return (w.unsqueeze(-2) @ dv.permute(1, 2, 3, 0, 4)).squeeze(-2)
+
+
 def _group_sum(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
     """Inverse of ``repeat_interleave(n_rep, dim)`` for gradients: sum each group of ``n_rep`` heads."""
     if n_rep == 1:
@@ -277,12 +292,12 @@ class _MoDAAttention(torch.autograd.Function):
         n_rep = query.shape[1] // key.shape[1]
         low = torch.finfo(acc).min
         q = query.to(acc)
-        kr = key.repeat_interleave(n_rep, dim=1).to(acc)
-        dkr = None if dk is None else dk.repeat_interleave(n_rep, dim=2).to(acc)
+        kr = _rep(key, n_rep, 1, acc)
+        dkr = _rep(dk, n_rep, 2, acc)
         p, tk, _ = _moda_probs(q, kr, mask, scaling, dkr, depth_mask, low)
-        out = p[..., :tk] @ value.repeat_interleave(n_rep, dim=1).to(acc)
+        out = p[..., :tk] @ _rep(value, n_rep, 1, acc)
         if dk is not None:
-            out = out + (p[..., tk:].movedim(-1, 0).unsqueeze(-1) * dv.repeat_interleave(n_rep, dim=2).to(acc)).sum(0)
+            out = out + _depth_mix(p[..., tk:], _rep(dv, n_rep, 2, acc))
         ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv)
         ctx.scaling, ctx.n_depth = scaling, len(depth)
         return out.transpose(1, 2).to(query.dtype)
@@ -293,10 +308,8 @@ class _MoDAAttention(torch.autograd.Function):
         acc = _acc_dtype(query.dtype)
         n_rep = query.shape[1] // key.shape[1]
         q = query.to(acc)
-        kr = key.repeat_interleave(n_rep, dim=1).to(acc)
-        vr = value.repeat_interleave(n_rep, dim=1).to(acc)
-        dkr = None if dk is None else dk.repeat_interleave(n_rep, dim=2).to(acc)
-        dvr = None if dv is None else dv.repeat_interleave(n_rep, dim=2).to(acc)
+        kr, vr = _rep(key, n_rep, 1, acc), _rep(value, n_rep, 1, acc)
+        dkr, dvr = _rep(dk, n_rep, 2, acc), _rep(dv, n_rep, 2, acc)
         p, tk, keep = _moda_probs(q, kr, mask, ctx.scaling, dkr, depth_mask, torch.finfo(acc).min)
         do = dout.transpose(1, 2).to(acc)  # [B, H, T, hd]
         dp = do @ vr.transpose(-1, -2)
@@ -314,8 +327,8 @@ class _MoDAAttention(torch.autograd.Function):
             dd = ds[..., tk:]
             if depth_mask is not None:
                 dd = dd.masked_fill(~depth_mask.to(torch.bool), 0.0)
+            dq = dq + _depth_mix(dd, dkr)
             dd = dd.movedim(-1, 0).unsqueeze(-1)  # [D, B, H, T, 1]
-            dq = dq + (dd * dkr).sum(0)
             gk = _group_sum(dd * q.unsqueeze(0), n_rep, 2).to(dk.dtype)
             gv = _group_sum(p[..., tk:].movedim(-1, 0).unsqueeze(-1) * do.unsqueeze(0), n_rep, 2).to(dv.dtype)
             grads = tuple(g for pair in zip(gk.unbind(0), gv.unbind(0)) for g in pair)
