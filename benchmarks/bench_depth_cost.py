@@ -9,7 +9,11 @@ For L in ``--layers`` (default 8 16 32 64) at a fixed width:
 3. greedy generation time / Pre-LN (KV cache, ``--new-tokens`` tokens after a ``--seq // 2`` prompt) at
    L in ``--gen-layers`` (default 32).
 
-CPU timings share the machine: run with ``OMP_NUM_THREADS=1``; rounds are interleaved and the median is printed.
+CPU timings share the machine: run with ``OMP_NUM_THREADS=1``. Every round times each design right after a
+Pre-LN step (a pair) and takes their ratio; the median over ``--rounds`` rounds of those paired ratios is printed,
+so load that drifts between rounds cancels. The issue-12 targets (``MEMORY_CAPS``, ``TIME_TARGETS``, flat memory)
+are checked at the end, one PASS/FAIL line each, next to the analytic FLOP floor of each design's time
+(1 + its extra FLOPs / Pre-LN's, ``diagnostics.cost.prefill_flops``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py
     python benchmarks/bench_depth_cost.py --designs pre_ln attnres --layers 8 64 --time-layers 32
@@ -26,7 +30,14 @@ import torch
 from _timing import sync
 
 import hf_depth
-from hf_depth.diagnostics.cost import activation_bytes
+from hf_depth.diagnostics.cost import activation_bytes, prefill_flops
+
+#: issue 12: saved activations / Pre-LN at every L (every design must also be flat: max-L ratio <= FLAT x min-L)
+MEMORY_CAPS = {"attnres": 1.35, "hc": 1.35, "mhc": 1.35, "moda": 1.35, "block_attnres": 1.25}
+FLAT = 1.05
+#: issue 12: CPU forward+backward time / Pre-LN at L = TIME_TARGET_LAYERS
+TIME_TARGETS = {"block_attnres": 1.15, "hc": 1.25, "mhc": 1.25, "moda": 1.30, "attnres": 1.60}
+TIME_TARGET_LAYERS = 32
 
 
 def build(name, d, L, heads, vocab, device):
@@ -54,6 +65,29 @@ def interleaved(fns: dict, device, rounds: int) -> dict[str, float]:
         for k, fn in fns.items():
             times[k].append(timed(fn, device))
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def paired_ratios(fns: dict, base: str, device, rounds: int) -> tuple[dict[str, float], float]:
+    """Median over ``rounds`` of t(fn) / t(base), each fn timed right after its own ``base`` step; and the median
+    base time. One warm-up call each."""
+    for fn in fns.values():
+        fn()
+    ratios, base_times = {k: [] for k in fns if k != base}, []
+    for _ in range(rounds):
+        for k in ratios:
+            tb = timed(fns[base], device)
+            ratios[k].append(timed(fns[k], device) / tb)
+            base_times.append(tb)
+    return {k: statistics.median(v) for k, v in ratios.items()}, statistics.median(base_times)
+
+
+def flop_floor(name, d, L, heads, vocab, T) -> float:
+    """1 + (the design's extra prefill FLOPs) / (Pre-LN's): the time ratio if every FLOP cost the same."""
+    cfg = hf_depth.config_for(name, vocab_size=vocab, hidden_size=d, num_hidden_layers=L, num_attention_heads=heads,
+                              pad_token_id=0, eos_token_id=1)
+    f = prefill_flops(cfg, T)
+    base = f["linear"] + f["attention_causal"] + f["lm_head"]
+    return 1.0 + (f["extra_matmul"] + f["extra_other"]) / base
 
 
 def fwd_bwd(model, x):
@@ -92,6 +126,27 @@ def table(title, designs, cols, cells) -> str:
     return "\n".join(lines) + "\n"
 
 
+def targets(designs, layers, mem, times) -> str:
+    """One PASS/FAIL row per issue-12 target that this run measured."""
+    rows = []
+    if mem and len(layers) > 1:
+        lo, hi = min(layers), max(layers)
+        for n in designs[1:]:
+            shallow, deep = mem[(n, lo)], mem[(n, hi)]
+            rows.append((n, f"saved L={hi} <= {FLAT:.2f} x L={lo}", f"{deep:.2f} vs {FLAT * shallow:.2f}",
+                         deep <= FLAT * shallow))
+    for n in designs[1:]:
+        if n in MEMORY_CAPS and mem:
+            worst = max(mem[(n, L)] for L in layers)
+            rows.append((n, f"saved <= {MEMORY_CAPS[n]:.2f} at every L", f"{worst:.2f}", worst <= MEMORY_CAPS[n]))
+        if n in TIME_TARGETS and (n, TIME_TARGET_LAYERS) in times:
+            t = times[(n, TIME_TARGET_LAYERS)]
+            rows.append((n, f"time L={TIME_TARGET_LAYERS} <= {TIME_TARGETS[n]:.2f}", f"{t:.2f}", t <= TIME_TARGETS[n]))
+    lines = ["### issue-12 targets", "", "| design | target | measured | |", "|---|---|---:|---|"]
+    lines += [f"| {n} | {what} | {got} | {'PASS' if ok else 'FAIL'} |" for n, what, got, ok in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--designs", nargs="*", default=list(hf_depth.DESIGNS))
@@ -99,7 +154,7 @@ def main(argv=None):
     p.add_argument("--mem-hidden", type=int, default=128)
     p.add_argument("--mem-seq", type=int, default=64)
     p.add_argument("--mem-batch", type=int, default=1)
-    p.add_argument("--time-layers", nargs="*", type=int, default=[8, 32])
+    p.add_argument("--time-layers", nargs="*", type=int, default=[TIME_TARGET_LAYERS])
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
@@ -120,6 +175,7 @@ def main(argv=None):
         print(generation_table(designs, a, device))
         return
 
+    mem: dict[tuple[str, int], float] = {}
     if not a.skip_memory:
         cells, cols = {}, [f"L={L}" for L in a.layers]
         for L in a.layers:
@@ -128,20 +184,23 @@ def main(argv=None):
                 m = build(name, a.mem_hidden, L, a.heads, a.vocab, device)
                 b = activation_bytes(m, a.mem_batch, a.mem_seq)
                 base = b if name == "pre_ln" else base
+                mem[(name, L)] = b / base
                 cells[(name, f"L={L}")] = f"{b / base:.2f}"
                 del m
         print(table(f"saved activations / Pre-LN (d={a.mem_hidden}, T={a.mem_seq}, B={a.mem_batch}; Pre-LN = 1)",
                     designs, cols, cells))
 
     x = torch.randint(2, a.vocab, (a.batch, a.seq), device=device)
-    cells, cols = {}, []
+    cells, cols, times = {}, [], {}
     for L in a.time_layers:
         models = {n: build(n, a.hidden, L, a.heads, a.vocab, device).train() for n in designs}
-        t = interleaved({n: fwd_bwd(m, x) for n, m in models.items()}, device, a.rounds)
-        cols.append(f"L={L}")
-        for n in designs:
-            cells[(n, f"L={L}")] = f"{t[n] / t['pre_ln']:.2f}"
-        cells[("pre_ln", f"L={L}")] = f"1.00 ({t['pre_ln'] * 1e3:.0f} ms)"
+        r, base_t = paired_ratios({n: fwd_bwd(m, x) for n, m in models.items()}, "pre_ln", device, a.rounds)
+        cols += [f"L={L}", f"FLOP floor L={L}"]
+        for n in designs[1:]:
+            times[(n, L)] = r[n]
+            cells[(n, f"L={L}")] = f"{r[n]:.2f}"
+            cells[(n, f"FLOP floor L={L}")] = f"{flop_floor(n, a.hidden, L, a.heads, a.vocab, a.seq):.3f}"
+        cells[("pre_ln", f"L={L}")] = f"1.00 ({base_t * 1e3:.0f} ms)"
         if device.type == "cuda":
             peaks = {n: peak_bytes(fwd_bwd(m, x), device) for n, m in models.items()}
             cols.append(f"peak L={L}")
@@ -149,7 +208,8 @@ def main(argv=None):
                 cells[(n, f"peak L={L}")] = f"{peaks[n] / peaks['pre_ln']:.2f}"
         del models
     print(table(f"forward+backward time / Pre-LN (d={a.hidden}, T={a.seq}, B={a.batch}; median of {a.rounds} "
-                "interleaved rounds)", designs, cols, cells))
+                "rounds of paired ratios)", designs, cols, cells))
+    print(targets(designs, a.layers, mem, times))
 
     print(generation_table(designs, a, device))
 
@@ -168,6 +228,8 @@ def generation_table(designs, a, device) -> str:
             cells[(n, f"L={L}")] = f"{t[n] / t['pre_ln']:.2f}"
         cells[("pre_ln", f"L={L}")] = f"1.00 ({t['pre_ln'] * 1e3:.0f} ms)"
         del models
+    if not cols:  # ``--gen-layers`` with no values: no generation table
+        return ""
     return table(f"greedy generation time / Pre-LN (d={d}, B={a.batch}, prompt {prompt.shape[1]}, "
                  f"{a.new_tokens} new tokens; median of {a.rounds} interleaved rounds)", designs, cols, cells)
 

@@ -124,3 +124,44 @@ def test_triton_depth_softmax_reads_the_bank_in_place(design, monkeypatch):
     torch.testing.assert_close(logits, ref_logits, atol=2e-5, rtol=1e-4)
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], atol=2e-5, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("design", ["attnres", "block_attnres", "moda"])
+def test_slot_gradients_accumulate_once_per_backward(design):
+    """The bank's slot gradients are summed in place in one buffer per backward (``SourceBank.grad``) and handed on
+    by each slot's first reader, never as one tensor per (reader, slot): two backward passes over one retained
+    graph, and ``autograd.grad`` after them, each give the reference gradients (a buffer that outlived its
+    backward would add the first pass into the second)."""
+    from hf_depth.models import depth_ops
+
+    model = _perturb(tiny_model(design, num_hidden_layers=3)).train()
+    x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    with reference_paths():
+        _, ref = _logits_and_grads(model, x, None)
+    grads_seen, real_grad = [], depth_ops.SourceBank.grad
+
+    def spy_grad(self, dtype):
+        buf = real_grad(self, dtype)
+        grads_seen.append(buf.data_ptr())
+        return buf
+
+    model.zero_grad(set_to_none=True)
+    out = model(x, labels=x, use_cache=False)
+    loss = out.logits.pow(2).mean() + out.loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    depth_ops.SourceBank.grad = spy_grad
+    try:
+        loss.backward(retain_graph=True)
+        first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=True)
+        second = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        third = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
+                         torch.autograd.grad(loss, params, allow_unused=True)))
+    finally:
+        depth_ops.SourceBank.grad = real_grad
+    assert grads_seen, "the bank path was not taken"
+    for got in (first, second, {n: g for n, g in third.items() if g is not None}):
+        assert got.keys() == ref.keys()
+        for name in ref:
+            assert_equal_fp32(got[name], ref[name], name)

@@ -44,6 +44,8 @@ class SourceBank:
         self._rraw = None if self.rinv is None else self.rinv.data
         self.refs: list = [None] * capacity
         self.count = 0
+        self.fresh = 0  # the first slot the last ``sync`` wrote (= its length when it wrote none)
+        self._grad = None  # (graph task id, [capacity, *shape] gradient accumulator), see ``grad``
 
     @staticmethod
     def enabled() -> bool:
@@ -66,15 +68,33 @@ class SourceBank:
         k = len(tensors)
         if k > len(self.refs):
             return None
+        self.fresh = k
         for i in range(k):
             ref = self.refs[i]
             if ref is None:
                 if i != self.count:
                     return None
                 self._write(i, tensors[i])
+                self.fresh = min(self.fresh, i)
             elif ref() is not tensors[i]:
                 return None
         return self.data[:k]
+
+    def grad(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gradient accumulator of the slots in the running backward (zeros when that backward first asks).
+
+        Every consumer of ``bank[:K]`` adds its slot gradients here in place, and the *first* reader of a slot
+        (the ``sync`` call that wrote it) hands the slot's total on as the source's gradient: its backward runs
+        after every later consumer's, since each later sublayer reads (through sources or the running partial
+        sum) the output that this reader feeds. Per-source gradient tensors and autograd's per-source
+        accumulation -- O(L^2) fresh [B, T, d] buffers -- are never made."""
+        task = torch._C._current_graph_task_id()
+        if self._grad is None or self._grad[0] != task or self._grad[1].dtype != dtype:
+            self._grad = (task, torch.zeros(self.data.shape, dtype=dtype, device=self.data.device))
+        return self._grad[1]
+
+    def release_grad(self) -> None:
+        self._grad = None
 
     def _write(self, i: int, t: torch.Tensor) -> None:
         if t.shape != self.data.shape[1:]:
@@ -94,8 +114,8 @@ def _rinv(v: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------- AttnRes
-def _agg_forward(qg, V, r, P, rp):
-    """Logits, softmax and weighted sum over V [K, N, d] (+ partial P [N, d]); fp32 math."""
+def _agg_forward(qg, V, r, P, rp, weighted_sum: bool = True):
+    """Logits, softmax and (``weighted_sum``) the weighted sum over V [K, N, d] (+ partial P [N, d]); fp32 math."""
     K, N, d = V.shape
     acc = qg.dtype
     Va = V if V.dtype == acc else V.to(acc)
@@ -104,6 +124,8 @@ def _agg_forward(qg, V, r, P, rp):
         Pa = P if P.dtype == acc else P.to(acc)
         z = torch.cat((z, (rp * (Pa @ qg)).unsqueeze(0)))
     p = torch.softmax(z, dim=0)
+    if not weighted_sum:  # backward: only the logits and the softmax are recomputed
+        return z, p, None
     out = p[0].unsqueeze(-1) * Va[0]  # sum_k p_k v_k, one slot at a time (einsum would copy V per token on CPU)
     for k in range(1, K):
         out.addcmul_(p[k].unsqueeze(-1), Va[k])
@@ -114,7 +136,7 @@ def _agg_forward(qg, V, r, P, rp):
 
 class _DepthAggregate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key_weight, eps, V, r, partial, *sources):
+    def forward(ctx, query, key_weight, eps, V, r, partial, bank, *sources):
         K, d = V.shape[0], V.shape[-1]
         lead = V.shape[1:-1]
         acc = _acc_dtype(V.dtype)
@@ -125,6 +147,7 @@ class _DepthAggregate(torch.autograd.Function):
         _, p, out = _agg_forward(qg, Vf, r.reshape(K, -1), P, rp)
         ctx.save_for_backward(query, key_weight, V, r, partial)
         ctx.eps, ctx.n_sources = eps, len(sources)
+        ctx.bank, ctx.fresh = bank, (None if bank is None else bank.fresh)
         p = p.movedim(0, -1).reshape(*lead, -1)
         ctx.mark_non_differentiable(p)
         return out.to(V.dtype).view(*lead, d), p
@@ -143,7 +166,7 @@ class _DepthAggregate(torch.autograd.Function):
         Pa = None if P is None else P.to(acc)
         rp = None if P is None else _rinv(P, ctx.eps)
         rf = r.reshape(K, -1)
-        z, p, _ = _agg_forward(qg, Vf, rf, P, rp)
+        z, p, _ = _agg_forward(qg, Vf, rf, P, rp, weighted_sum=False)
         do = dout.reshape(-1, d).to(acc)
         dp = torch.einsum("nd,knd->kn", do, Va)
         if P is not None:
@@ -152,7 +175,9 @@ class _DepthAggregate(torch.autograd.Function):
         rr = rf if P is None else torch.cat((rf, rp.unsqueeze(0)))
         a = dz * rr  # d z / d v = r qg - (z r^2 / d) v
         b = -(dz * z * rr * rr) / d
-        dV = p[:K].unsqueeze(-1) * do
+        bank = ctx.bank
+        dV = bank.grad(acc)[:K].view(K, -1, d) if bank is not None else torch.zeros_like(Va)
+        dV.addcmul_(p[:K].unsqueeze(-1), do)
         dV.addcmul_(a[:K].unsqueeze(-1), qg)
         dV.addcmul_(b[:K].unsqueeze(-1), Va)
         dqg = a[:K].reshape(-1) @ Va.reshape(-1, d)
@@ -163,9 +188,14 @@ class _DepthAggregate(torch.autograd.Function):
             dpartial = dpartial.to(partial.dtype).view_as(partial)
         dq = None if not ctx.needs_input_grad[0] else (dqg if g32 is None else dqg * g32).to(query.dtype)
         dw = None if key_weight is None or not ctx.needs_input_grad[1] else (dqg * q32).to(key_weight.dtype)
-        dV = dV.to(V.dtype).view(V.shape)
-        grads = tuple(dV[i] for i in range(ctx.n_sources))
-        return (dq, dw, None, None, None, dpartial, *grads)
+        dV = dV.view(V.shape)
+        if bank is None:
+            grads = tuple(dV[i].to(V.dtype) for i in range(ctx.n_sources))
+        else:  # only the slots this call wrote: their gradient is complete now (see ``SourceBank.grad``)
+            grads = tuple(dV[i].to(V.dtype) if i >= ctx.fresh else None for i in range(ctx.n_sources))
+            if ctx.fresh == 0:
+                bank.release_grad()
+        return (dq, dw, None, None, None, dpartial, None, *grads)
 
 
 def depth_aggregate(query: torch.Tensor, key_weight: torch.Tensor | None, sources, eps: float,
@@ -187,11 +217,12 @@ def depth_aggregate(query: torch.Tensor, key_weight: torch.Tensor | None, source
     elif V is not None:
         r = _rinv(V, eps)
     else:
+        bank = None
         V = torch.stack([s.detach() for s in fixed])
         r = _rinv(V, eps)
     if dispatch.use_triton(V):
         return _triton_aggregate(query, key_weight, V, partial, eps, fixed)
-    return _DepthAggregate.apply(query, key_weight, eps, V, r, partial, *fixed)
+    return _DepthAggregate.apply(query, key_weight, eps, V, r, partial, bank, *fixed)
 
 
 class _TritonAggregate(torch.autograd.Function):
@@ -259,10 +290,17 @@ def _moda_probs(q, kr, mask, scaling, dk, depth_mask, low):
     return torch.softmax(torch.cat((scores, depth_scores), dim=-1), dim=-1), tk, mask
 
 
-def _repeat(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
-    """``x.repeat_interleave(n_rep, dim)`` (GQA heads), without the copy when ``n_rep == 1``: a decoding step
-    must not copy the whole sequence KV cache."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)
+def _rep(x: torch.Tensor | None, n_rep: int, dim: int, acc: torch.dtype) -> torch.Tensor | None:
+    """``x.repeat_interleave(n_rep, dim).to(acc)`` without the copies when they are no-ops (MHA, fp32)."""
+    if x is None:
+        return None
+    return (x if n_rep == 1 else x.repeat_interleave(n_rep, dim=dim)).to(acc)
+
+
+def _depth_mix(w: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """sum_s w[..., s] dv[s] for w [B, H, T, D] and dv [D, B, H, T, hd]: one batched [1, D] @ [D, hd] per token
+    (the broadcast product would write a [D, B, H, T, hd] temporary)."""
+    return (w.unsqueeze(-2) @ dv.permute(1, 2, 3, 0, 4)).squeeze(-2)
 
 
 def _group_sum(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
@@ -275,19 +313,21 @@ def _group_sum(x: torch.Tensor, n_rep: int, dim: int) -> torch.Tensor:
 
 class _MoDAAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask, scaling, depth_mask, dk, dv, *depth):
+    def forward(ctx, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth):
         acc = _acc_dtype(query.dtype)
         n_rep = query.shape[1] // key.shape[1]
         low = torch.finfo(acc).min
         q = query.to(acc)
-        kr = _repeat(key, n_rep, 1).to(acc)
-        dkr = None if dk is None else _repeat(dk, n_rep, 2).to(acc)
+        kr = _rep(key, n_rep, 1, acc)
+        dkr = _rep(dk, n_rep, 2, acc)
         p, tk, _ = _moda_probs(q, kr, mask, scaling, dkr, depth_mask, low)
-        out = p[..., :tk] @ _repeat(value, n_rep, 1).to(acc)
+        out = p[..., :tk] @ _rep(value, n_rep, 1, acc)
         if dk is not None:
-            out = out + (p[..., tk:].movedim(-1, 0).unsqueeze(-1) * _repeat(dv, n_rep, 2).to(acc)).sum(0)
+            out = out + _depth_mix(p[..., tk:], _rep(dv, n_rep, 2, acc))
         ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv)
         ctx.scaling, ctx.n_depth = scaling, len(depth)
+        ctx.banks = banks
+        ctx.fresh = None if banks is None else (banks[0].fresh, banks[1].fresh)
         return out.transpose(1, 2).to(query.dtype)
 
     @staticmethod
@@ -296,10 +336,8 @@ class _MoDAAttention(torch.autograd.Function):
         acc = _acc_dtype(query.dtype)
         n_rep = query.shape[1] // key.shape[1]
         q = query.to(acc)
-        kr = _repeat(key, n_rep, 1).to(acc)
-        vr = _repeat(value, n_rep, 1).to(acc)
-        dkr = None if dk is None else _repeat(dk, n_rep, 2).to(acc)
-        dvr = None if dv is None else _repeat(dv, n_rep, 2).to(acc)
+        kr, vr = _rep(key, n_rep, 1, acc), _rep(value, n_rep, 1, acc)
+        dkr, dvr = _rep(dk, n_rep, 2, acc), _rep(dv, n_rep, 2, acc)
         p, tk, keep = _moda_probs(q, kr, mask, ctx.scaling, dkr, depth_mask, torch.finfo(acc).min)
         do = dout.transpose(1, 2).to(acc)  # [B, H, T, hd]
         dp = do @ vr.transpose(-1, -2)
@@ -317,12 +355,36 @@ class _MoDAAttention(torch.autograd.Function):
             dd = ds[..., tk:]
             if depth_mask is not None:
                 dd = dd.masked_fill(~depth_mask.to(torch.bool), 0.0)
+            dq = dq + _depth_mix(dd, dkr)
             dd = dd.movedim(-1, 0).unsqueeze(-1)  # [D, B, H, T, 1]
-            dq = dq + (dd * dkr).sum(0)
-            gk = _group_sum(dd * q.unsqueeze(0), n_rep, 2).to(dk.dtype)
-            gv = _group_sum(p[..., tk:].movedim(-1, 0).unsqueeze(-1) * do.unsqueeze(0), n_rep, 2).to(dv.dtype)
-            grads = tuple(g for pair in zip(gk.unbind(0), gv.unbind(0)) for g in pair)
-        return (dq.to(query.dtype), dkey, dvalue, None, None, None, None, None, *grads)
+            pd = p[..., tk:].movedim(-1, 0).unsqueeze(-1)  # [D, B, H, T, 1]
+            grads = _moda_depth_grads(ctx, dk, dv, dd, q, pd, do, n_rep)
+        return (dq.to(query.dtype), dkey, dvalue, None, None, None, None, None, None, *grads)
+
+
+def _moda_depth_grads(ctx, dk, dv, dd, q, pd, do, n_rep) -> tuple:
+    """(dK_0, dV_0, dK_1, dV_1, ...): accumulated in the banks' gradients in place and handed on by each slot's
+    first reader (see ``SourceBank.grad``); without banks, one tensor per slot."""
+    D = dk.shape[0]
+    if ctx.banks is None:
+        gk = _group_sum(dd * q.unsqueeze(0), n_rep, 2).to(dk.dtype)
+        gv = _group_sum(pd * do.unsqueeze(0), n_rep, 2).to(dv.dtype)
+        return tuple(g for pair in zip(gk.unbind(0), gv.unbind(0)) for g in pair)
+    (kb, vb), (fk, fv) = ctx.banks, ctx.fresh
+    Gk, Gv = kb.grad(q.dtype)[:D], vb.grad(q.dtype)[:D]
+    if n_rep == 1:
+        Gk.addcmul_(dd, q.unsqueeze(0))
+        Gv.addcmul_(pd, do.unsqueeze(0))
+    else:
+        Gk.add_(_group_sum(dd * q.unsqueeze(0), n_rep, 2))
+        Gv.add_(_group_sum(pd * do.unsqueeze(0), n_rep, 2))
+    grads = tuple(g for i in range(D) for g in (Gk[i].to(dk.dtype) if i >= fk else None,
+                                                Gv[i].to(dv.dtype) if i >= fv else None))
+    if fk == 0:
+        kb.release_grad()
+    if fv == 0:
+        vb.release_grad()
+    return grads
 
 
 def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_mask=None) -> torch.Tensor:
@@ -332,7 +394,7 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
     [B, T, H, hd]."""
     if mask is not None and mask.dim() != 4:
         raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
-    dk = dv = None
+    dk = dv = banks = None
     if depth:
         keys, values = depth[0::2], depth[1::2]
         kb, vb = SourceBank.of(depth[0]), SourceBank.of(depth[1])
@@ -340,8 +402,10 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
         dv = None if vb is None else vb.sync(values)
         if dk is None or dv is None:
             dk, dv = torch.stack([k.detach() for k in keys]), torch.stack([v.detach() for v in values])
+        else:
+            banks = (kb, vb)
     with torch.autocast(query.device.type, enabled=False):
-        return _MoDAAttention.apply(query, key, value, mask, scaling, depth_mask, dk, dv, *depth)
+        return _MoDAAttention.apply(query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
 
 
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
