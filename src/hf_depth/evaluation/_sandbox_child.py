@@ -159,6 +159,18 @@ def _count_others() -> int:
     return n
 
 
+def sigkill(pids) -> set[int]:
+    """SIGKILL each pid; the ones that were signalled (a pid already gone is skipped). Shared with ``sandbox.py``."""
+    done = set()
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+            done.add(p)
+        except OSError:
+            pass
+    return done
+
+
 def _kill_descendants() -> int:
     """SIGKILL every descendant (as a subreaper, orphans are our children) until none is left; reap them."""
     me, killed = os.getpid(), set()
@@ -180,12 +192,7 @@ def _kill_descendants() -> int:
         _reap()
         if not tree:
             break
-        for p in tree:
-            try:
-                os.kill(p, signal.SIGKILL)
-                killed.add(p)
-            except OSError:
-                pass
+        killed |= sigkill(tree)
         time.sleep(0.002)
     _reap()
     return len(killed)

@@ -33,7 +33,6 @@ import random
 import secrets
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from ._sandbox_child import sigkill
 
 ALLOW_ENV = "HF_DEPTH_ALLOW_CODE_EXECUTION"
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
@@ -140,12 +141,7 @@ def _kill_all(find, key) -> int:
         pids = [p for p in find(key) if p != os.getpid()]
         if not pids:
             break
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-                killed.add(p)
-            except OSError:
-                pass
+        killed |= sigkill(pids)
         time.sleep(0.01)
     return len(killed)
 

@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype
+from .functional import _acc_dtype, masked_scores
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -273,15 +273,8 @@ def _moda_probs(q, kr, mask, scaling, dk, depth_mask, low):
 
     Returns (p, Tk, the bool mask whose False entries get no gradient (masked_fill) or None).
     """
-    scores = (q @ kr.transpose(-1, -2)) * scaling
-    t, tk = scores.shape[-2:]
-    if mask is None:
-        mask = torch.ones(t, tk, dtype=torch.bool, device=scores.device).tril(tk - t)
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, low)
-    else:
-        scores = scores + mask.to(q.dtype)
-        mask = None
+    scores, mask = masked_scores(q, kr, mask, scaling, low)
+    tk = scores.shape[-1]
     if dk is None:
         return torch.softmax(scores, dim=-1), tk, mask
     depth_scores = ((q.unsqueeze(0) * dk).sum(-1) * scaling).movedim(0, -1)

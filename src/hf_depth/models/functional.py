@@ -188,19 +188,25 @@ def moda_attention(
         return _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask)
 
 
+def masked_scores(q, k, mask, scaling, low):
+    """``q k^T * scaling`` with the attention mask applied (``None``: causal; bool: False -> ``low``; float:
+    added). Returns (scores, the bool mask, or None for an additive one)."""
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    t, tk = scores.shape[-2:]
+    if mask is None:
+        mask = torch.ones(t, tk, dtype=torch.bool, device=scores.device).tril(tk - t)
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, low), mask
+    return scores + mask.to(q.dtype), None
+
+
 def _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask):
     acc = _acc_dtype(query.dtype)
     n_rep = query.shape[1] // key.shape[1]
     low = torch.finfo(acc).min
     q = query.to(acc)
-    scores = (q @ key.repeat_interleave(n_rep, dim=1).to(acc).transpose(-1, -2)) * scaling  # [B, H, T, Tk]
-    t, tk = scores.shape[-2:]
-    if mask is None:
-        mask = torch.ones(t, tk, dtype=torch.bool, device=scores.device).tril(tk - t)
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, low)
-    else:
-        scores = scores + mask.to(acc)
+    scores, _ = masked_scores(q, key.repeat_interleave(n_rep, dim=1).to(acc), mask, scaling, low)  # [B, H, T, Tk]
+    tk = scores.shape[-1]
     if depth_key is None or depth_key.shape[0] == 0:
         p = torch.softmax(scores, dim=-1)
         out = p @ value.repeat_interleave(n_rep, dim=1).to(acc)
