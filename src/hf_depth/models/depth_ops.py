@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype, masked_scores
+from .functional import _acc_dtype, _masked_scores
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -273,7 +273,7 @@ def _moda_probs(q, kr, mask, scaling, dk, depth_mask, low):
 
     Returns (p, Tk, the bool mask whose False entries get no gradient (masked_fill) or None).
     """
-    scores, mask = masked_scores(q, kr, mask, scaling, low)
+    scores, mask = _masked_scores(q, kr, mask, scaling, low)
     tk = scores.shape[-1]
     if dk is None:
         return torch.softmax(scores, dim=-1), tk, mask

@@ -288,30 +288,20 @@ def attnres_extra_activation_bytes(config, batch: int, seq_len: int, compute_byt
     return bank_capacity(config) * batch * seq_len * (config.hidden_size * STREAM_BYTES + 4)
 
 
-class AttnResModel(DepthModel):
-    """Full AttnRes decoder (no LM head)."""
-
+class AttnResModel(DepthModel):  # Full AttnRes decoder (no LM head)
     config_class = AttnResConfig
 
 
-class AttnResForCausalLM(DepthForCausalLM):
-    """Full AttnRes causal LM."""
-
-    config_class = AttnResConfig
-    base_model_class = AttnResModel
+class AttnResForCausalLM(DepthForCausalLM):  # Full AttnRes causal LM
+    config_class, base_model_class = AttnResConfig, AttnResModel
 
 
-class BlockAttnResModel(DepthModel):
-    """Block AttnRes decoder (no LM head)."""
-
+class BlockAttnResModel(DepthModel):  # Block AttnRes decoder (no LM head)
     config_class = BlockAttnResConfig
 
 
-class BlockAttnResForCausalLM(DepthForCausalLM):
-    """Block AttnRes causal LM."""
-
-    config_class = BlockAttnResConfig
-    base_model_class = BlockAttnResModel
+class BlockAttnResForCausalLM(DepthForCausalLM):  # Block AttnRes causal LM
+    config_class, base_model_class = BlockAttnResConfig, BlockAttnResModel
 
 
 #: the pseudo-query w is decayed like a matrix (DepthBench decays everything but HC/mHC static routing)

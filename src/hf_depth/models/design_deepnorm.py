@@ -84,17 +84,12 @@ def deepnorm_init_scale(config, layer_idx, name):
     return config.beta if name.split(".")[-1] in _BETA_SCALED else 1.0
 
 
-class DeepNormModel(DepthModel):
-    """DeepNorm decoder (no LM head)."""
-
+class DeepNormModel(DepthModel):  # DeepNorm decoder (no LM head)
     config_class = DeepNormConfig
 
 
-class DeepNormForCausalLM(DepthForCausalLM):
-    """DeepNorm causal LM."""
-
-    config_class = DeepNormConfig
-    base_model_class = DeepNormModel
+class DeepNormForCausalLM(DepthForCausalLM):  # DeepNorm causal LM
+    config_class, base_model_class = DeepNormConfig, DeepNormModel
 
 
 #: DepthBench's DeepNorm block re-uses the input-norm modules as the post-add norms (``LN(alpha x + F(x))``; a block

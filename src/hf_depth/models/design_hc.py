@@ -323,17 +323,12 @@ def hc_extra_params(config: HCConfig) -> int:
     return config.num_sublayers * per
 
 
-class HCModel(DepthModel):
-    """Hyper-Connections decoder (no LM head)."""
-
+class HCModel(DepthModel):  # Hyper-Connections decoder (no LM head)
     config_class = HCConfig
 
 
-class HCForCausalLM(DepthForCausalLM):
-    """Hyper-Connections causal LM."""
-
-    config_class = HCConfig
-    base_model_class = HCModel
+class HCForCausalLM(DepthForCausalLM):  # Hyper-Connections causal LM
+    config_class, base_model_class = HCConfig, HCModel
 
 
 # ---- DepthBench / OLMo-core names (shared with mHC: the same connection modules and branch aliases)

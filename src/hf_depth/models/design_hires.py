@@ -192,17 +192,12 @@ def hires_extra_params(config) -> int:
     return config.num_boundaries * per_boundary + (D * d if config.hires_embed == "project" else 0)
 
 
-class HiResModel(DepthModel):
-    """HiRes decoder (no LM head)."""
-
+class HiResModel(DepthModel):  # HiRes decoder (no LM head)
     config_class = HiResConfig
 
 
-class HiResForCausalLM(DepthForCausalLM):
-    """HiRes causal LM."""
-
-    config_class = HiResConfig
-    base_model_class = HiResModel
+class HiResForCausalLM(DepthForCausalLM):  # HiRes causal LM
+    config_class, base_model_class = HiResConfig, HiResModel
 
 
 DESIGN = register(Design(

@@ -58,17 +58,12 @@ class KeelConnection(SublayerConnection):
         return f"alpha={self.alpha:g}"
 
 
-class KeelModel(DepthModel):
-    """KEEL decoder (no LM head)."""
-
+class KeelModel(DepthModel):  # KEEL decoder (no LM head)
     config_class = KeelConfig
 
 
-class KeelForCausalLM(DepthForCausalLM):
-    """KEEL causal LM."""
-
-    config_class = KeelConfig
-    base_model_class = KeelModel
+class KeelForCausalLM(DepthForCausalLM):  # KEEL causal LM
+    config_class, base_model_class = KeelConfig, KeelModel
 
 
 #: DepthBench ``keel``: the input norms plus the post norms (block 0 has no post-attention norm, as here)

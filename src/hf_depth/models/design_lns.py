@@ -36,17 +36,12 @@ class LNSConnection(SublayerConnection):
         return f"scale={self.scale:.4f}"
 
 
-class LNSModel(DepthModel):
-    """LayerNorm-Scaling decoder (no LM head)."""
-
+class LNSModel(DepthModel):  # LayerNorm-Scaling decoder (no LM head)
     config_class = LNSConfig
 
 
-class LNSForCausalLM(DepthForCausalLM):
-    """LayerNorm-Scaling causal LM."""
-
-    config_class = LNSConfig
-    base_model_class = LNSModel
+class LNSForCausalLM(DepthForCausalLM):  # LayerNorm-Scaling causal LM
+    config_class, base_model_class = LNSConfig, LNSModel
 
 
 _LN_SCALE = re.compile(r"^blocks\.(\d+)\.ln_scale$")

@@ -193,17 +193,12 @@ def mhc_extra_params(config: MHCConfig) -> int:
     return config.num_sublayers * (n * d * (n * n + 2 * n) + n * n + 2 * n + 3)
 
 
-class MHCModel(DepthModel):
-    """mHC decoder (no LM head)."""
-
+class MHCModel(DepthModel):  # mHC decoder (no LM head)
     config_class = MHCConfig
 
 
-class MHCForCausalLM(DepthForCausalLM):
-    """mHC causal LM."""
-
-    config_class = MHCConfig
-    base_model_class = MHCModel
+class MHCForCausalLM(DepthForCausalLM):  # mHC causal LM
+    config_class, base_model_class = MHCConfig, MHCModel
 
 
 # ---- DepthBench / OLMo-core names: three parameter layouts (backends) of one function (``docs/olmo_core.md``)

@@ -184,17 +184,12 @@ def moda_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes:
     return total
 
 
-class MoDAModel(DepthModel):
-    """MoDA decoder (no LM head)."""
-
+class MoDAModel(DepthModel):  # MoDA decoder (no LM head)
     config_class = MoDAConfig
 
 
-class MoDAForCausalLM(DepthForCausalLM):
-    """MoDA causal LM."""
-
-    config_class = MoDAConfig
-    base_model_class = MoDAModel
+class MoDAForCausalLM(DepthForCausalLM):  # MoDA causal LM
+    config_class, base_model_class = MoDAConfig, MoDAModel
 
 
 def olmo_layer(config, i: int, options: dict) -> list:

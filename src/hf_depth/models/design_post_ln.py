@@ -28,17 +28,12 @@ class PostLNConnection(SublayerConnection):
         return self.norm(state + out)
 
 
-class PostLNModel(DepthModel):
-    """Post-LN decoder (no LM head)."""
-
+class PostLNModel(DepthModel):  # Post-LN decoder (no LM head)
     config_class = PostLNConfig
 
 
-class PostLNForCausalLM(DepthForCausalLM):
-    """Post-LN causal LM."""
-
-    config_class = PostLNConfig
-    base_model_class = PostLNModel
+class PostLNForCausalLM(DepthForCausalLM):  # Post-LN causal LM
+    config_class, base_model_class = PostLNConfig, PostLNModel
 
 
 DESIGN = register(Design(

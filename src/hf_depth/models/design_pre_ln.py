@@ -18,17 +18,12 @@ class PreLNConfig(DepthConfig):
     design = "pre_ln"
 
 
-class PreLNModel(DepthModel):
-    """Pre-LN decoder (no LM head)."""
-
+class PreLNModel(DepthModel):  # Pre-LN decoder (no LM head)
     config_class = PreLNConfig
 
 
-class PreLNForCausalLM(DepthForCausalLM):
-    """Pre-LN causal LM."""
-
-    config_class = PreLNConfig
-    base_model_class = PreLNModel
+class PreLNForCausalLM(DepthForCausalLM):  # Pre-LN causal LM
+    config_class, base_model_class = PreLNConfig, PreLNModel
 
 
 #: DepthBench's ``default`` block: the Llama keys and the two input norms (``docs/olmo_core.md``)

@@ -29,17 +29,12 @@ class SandwichConnection(SublayerConnection):
         return state + self.output_norm(out)
 
 
-class SandwichLNModel(DepthModel):
-    """Sandwich-LN decoder (no LM head)."""
-
+class SandwichLNModel(DepthModel):  # Sandwich-LN decoder (no LM head)
     config_class = SandwichLNConfig
 
 
-class SandwichLNForCausalLM(DepthForCausalLM):
-    """Sandwich-LN causal LM."""
-
-    config_class = SandwichLNConfig
-    base_model_class = SandwichLNModel
+class SandwichLNForCausalLM(DepthForCausalLM):  # Sandwich-LN causal LM
+    config_class, base_model_class = SandwichLNConfig, SandwichLNModel
 
 
 #: DepthBench ``peri_norm``: the input norms plus ``post_attention_norm`` / ``post_feed_forward_norm``

@@ -188,7 +188,7 @@ def moda_attention(
         return _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, depth_mask)
 
 
-def masked_scores(q, k, mask, scaling, low):
+def _masked_scores(q, k, mask, scaling, low):
     """``q k^T * scaling`` with the attention mask applied (``None``: causal; bool: False -> ``low``; float:
     added). Returns (scores, the bool mask, or None for an additive one)."""
     scores = (q @ k.transpose(-1, -2)) * scaling
@@ -205,7 +205,7 @@ def _moda_attention(query, key, value, depth_key, depth_value, mask, scaling, de
     n_rep = query.shape[1] // key.shape[1]
     low = torch.finfo(acc).min
     q = query.to(acc)
-    scores, _ = masked_scores(q, key.repeat_interleave(n_rep, dim=1).to(acc), mask, scaling, low)  # [B, H, T, Tk]
+    scores, _ = _masked_scores(q, key.repeat_interleave(n_rep, dim=1).to(acc), mask, scaling, low)  # [B, H, T, Tk]
     tk = scores.shape[-1]
     if depth_key is None or depth_key.shape[0] == 0:
         p = torch.softmax(scores, dim=-1)
