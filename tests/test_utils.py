@@ -37,3 +37,32 @@ def test_next_token_nll_counts_real_input_and_target_pairs():
     total, n = next_token_nll(logits, ids)
     assert n == 8 and total == pytest.approx(float(F.cross_entropy(logits[:, :-1].reshape(-1, 11), ids[:, 1:].reshape(-1),
                                                                    reduction="sum")), rel=1e-6)
+
+
+def test_parse_set_items_reads_json_values_else_strings():
+    """One ``--set`` parser for ``upcycle`` and ``convert-olmo-core``: ``1e-5`` is a float (YAML would read it
+    as a string), ``null`` is None, a bare word stays a string, a malformed item is named."""
+    import pytest
+
+    from hf_depth.utils import parse_set_items
+
+    got = parse_set_items(["rms_norm_eps=1e-5", "attnres_block_size=null", "hc_streams=2", "mhc_init=identity",
+                           "flag=true", "empty="])
+    assert got == {"rms_norm_eps": 1e-5, "attnres_block_size": None, "hc_streams": 2, "mhc_init": "identity",
+                   "flag": True, "empty": ""}
+    assert isinstance(got["rms_norm_eps"], float)
+    for bad in ("hc_streams", "=2"):
+        with pytest.raises(ValueError, match="FIELD=VALUE"):
+            parse_set_items([bad])
+
+
+def test_attention_carry_must_implement_attend():
+    import pytest
+
+    from hf_depth.models.residual import AttentionCarry
+
+    class Incomplete(AttentionCarry):
+        pass
+
+    with pytest.raises(TypeError, match="attend"):
+        Incomplete()

@@ -44,6 +44,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 from .models.design_mhc import MHC_IDENTITY_BOUND  # noqa: E402,F401  (re-exported: the mHC identity bound)
 from .models.residual import UPCYCLE_EXACT_TOL as EXACT_TOL  # noqa: E402
+from .utils import parse_set_items  # noqa: E402
 
 
 def function_preserving(design: str) -> dict:
@@ -360,19 +361,6 @@ def write_upcycle_card(folder, model, data: dict) -> Path:
     return path
 
 
-def parse_sets(items: list[str]) -> dict:
-    """``["hc_streams=2", "attnres_block_size=null"]`` -> ``{"hc_streams": 2, "attnres_block_size": None}`` (YAML)."""
-    import yaml
-
-    out = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r} must look like key=value (e.g. hc_streams=2)")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """``hf-depth upcycle SRC OUT --design D [--set k=v ...]``; exit 0 written, 2 refused (one line)."""
     from .errors import run_command
@@ -400,7 +388,7 @@ def _main(argv: list[str] | None = None) -> int:
     with reading_model(a.src):
         dtype = getattr(AutoConfig.from_pretrained(a.src), "dtype", None)  # saved dtype: the result keeps it
     source = _load(a.src)
-    model, report = upcycle(source, a.design, seed=a.seed, **parse_sets(a.sets))
+    model, report = upcycle(source, a.design, seed=a.seed, **parse_set_items(a.sets))
     if isinstance(dtype, torch.dtype) and dtype != torch.float32:
         model = model.to(dtype)
     out = save_upcycled(model, report, a.out, a.src)

@@ -24,6 +24,23 @@ def flatten_dict(d: dict, leaf: Callable[[Any], Any] = lambda v: v, prefix: str 
     return out
 
 
+def parse_set_items(items: list[str]) -> dict:
+    """``--set FIELD=VALUE`` items as a dict: each VALUE is JSON (``2``, ``1e-5``, ``true``, ``null``, ``[1, 2]``),
+    else the raw string. A malformed item raises ``ValueError`` naming it."""
+    import json
+
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set takes FIELD=VALUE (e.g. --set hc_streams=2), got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
 def temporary_sibling(path) -> Path:
     """Where ``path`` is written before it is renamed into place: ``name.tmp.ext`` beside it (the suffix kept, so a
     writer that picks the format from it still can)."""

@@ -28,6 +28,7 @@ The default classes below *are* Pre-LN: ``h <- h + F(N(h))``.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
@@ -127,15 +128,15 @@ class ResidualStream(nn.Module):
         return None
 
 
-class AttentionCarry:
+class AttentionCarry(abc.ABC):
     """A carry that the attention consults (MoDA's depth K/V). The shared attention calls ``attend`` after RoPE
     and the cache update, instead of its own attention function."""
 
+    @abc.abstractmethod
     def attend(self, module: nn.Module, q, k_new, v_new, k, v, attention_mask, position_embeddings,
                raw_k=None) -> torch.Tensor:
         """Attention output [B, T, heads, head_dim] (``k_new``/``v_new``: this forward's keys/values after RoPE;
         ``k``/``v``: with the cached past; ``raw_k``: this forward's keys before RoPE)."""
-        raise NotImplementedError
 
 
 UPCYCLE_EXACT_TOL = 1e-5

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 from ..models.registry import DESIGNS
+from ..utils import parse_set_items
 from .checkpoints import load_state_dict, save_converted
 from .infer import _design_name, _fields_of, _olmo_json_fields, all_backends, block_types, refuse_to_guess
 from .mapping import olmo_core_to_hf_depth
-
-
-def _parse_value(v: str):
-    try:
-        return json.loads(v)
-    except json.JSONDecodeError:
-        return v
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,11 +68,10 @@ def _main(argv: list[str] | None = None) -> int:
     sinkhorn_tau = fields.pop("sinkhorn_tau", 1.0)
     if a.attnres_block_size is not None:
         fields["attnres_block_size"] = a.attnres_block_size
-    for item in a.set:
-        if "=" not in item:
-            p.error(f"--set takes FIELD=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        fields[k.strip()] = _parse_value(v)
+    try:
+        fields.update(parse_set_items(a.set))
+    except ValueError as e:
+        p.error(str(e))
     design = a.design or block_name
     if design is None:
         p.error("--design is required (no block name in a config JSON)")
