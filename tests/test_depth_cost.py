@@ -11,6 +11,7 @@ from reference_designs import reference_paths
 
 import hf_depth
 from hf_depth.diagnostics.cost import activation_bytes
+from hf_depth.models import functional
 
 
 def _perturb(model, seed=0):
@@ -165,3 +166,73 @@ def test_slot_gradients_accumulate_once_per_backward(design):
         assert got.keys() == ref.keys()
         for name in ref:
             assert_equal_fp32(got[name], ref[name], name)
+
+
+@pytest.mark.parametrize("design,kw", [
+    ("hc", {"hc_dynamic": False}), ("hc", {"hc_stream_mixing": False}), ("hc", {"hc_final_reduce": "mean_then_norm"}),
+    ("mhc", {"mhc_init": "identity"}), ("mhc", {"mhc_dynamic_tanh": True, "mhc_sinkhorn_order": "columns_first"}),
+    ("mhc", {"mhc_final_reduce": "sum_of_normed"}),
+])
+def test_stream_routing_variants_equal_reference(design, kw):
+    """HC / mHC's hand-written routing backward (``routing_backward``) for every variant of the routing."""
+    model = _perturb(tiny_model(design, num_hidden_layers=7, **kw)).train()
+    x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    logits, grads = _logits_and_grads(model, x, None)
+    with reference_paths():
+        ref_logits, ref_grads = _logits_and_grads(model, x, None)
+    assert torch.equal(logits, ref_logits)  # the forward runs the reference's ops
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_equal_fp32(grads[name], ref_grads[name], name)
+
+
+@pytest.mark.parametrize("design", ["hc", "mhc"])
+def test_stream_backward_never_reruns_the_routing_forward(design, monkeypatch):
+    """The backward rebuilds the coefficients from their saved inputs (``routing_rebuild``): no second pass of the
+    coefficient projection over the streams (``routing_saved`` / ``route`` run once per sublayer, in forward)."""
+    from hf_depth.models.design_hc import MultiStreamConnection
+
+    model = _perturb(tiny_model(design, num_hidden_layers=5)).train()
+    x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    calls = {"saved": 0, "route": 0, "rebuild": 0}
+    cls = type(model.model.layers[0].attn_connection)
+    for key, name in (("saved", "routing_saved"), ("route", "route"), ("rebuild", "routing_rebuild")):
+        real = getattr(cls, name)
+
+        def spy(self, *a, _real=real, _key=key):
+            calls[_key] += 1
+            return _real(self, *a)
+
+        monkeypatch.setattr(cls, name, spy)
+    assert issubclass(cls, MultiStreamConnection)
+    out = model(x, labels=x, use_cache=False)
+    assert calls == {"saved": 10, "route": 0, "rebuild": 0}
+    out.loss.backward()
+    assert calls == {"saved": 10, "route": 0, "rebuild": 10}
+
+
+def test_write_streams_is_the_broadcast_product():
+    """``functional.write_streams`` (one batched product per token) gives mixed + w y of the broadcast form, for
+    per-token and static weights and a non-contiguous ``mixed`` (the rows of the width product)."""
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 3, 5, 8, generator=g)
+    mixed, y = full[..., 1:, :], torch.randn(2, 3, 8, generator=g)
+    for w in (torch.randn(2, 3, 4, generator=g), torch.randn(4, generator=g)):
+        ref = mixed + w.unsqueeze(-1) * y.unsqueeze(-2)
+        torch.testing.assert_close(functional.write_streams(mixed, w, y), ref, rtol=0, atol=1e-6)
+
+
+def test_sinkhorn_backward_is_the_unrolled_gradient():
+    """``sinkhorn_iterates`` / ``sinkhorn_backward`` (mHC's hand-written backward) equal the reference Sinkhorn and
+    autograd through its 20 log-domain iterations (float64), for peaked logits that are far from converged."""
+    from hf_depth.models.design_mhc import sinkhorn_backward, sinkhorn_iterates
+
+    g = torch.Generator().manual_seed(0)
+    z = (2.0 * torch.randn(6, 4, 4, generator=g, dtype=torch.float64)).requires_grad_()
+    dres = torch.randn(6, 4, 4, generator=g, dtype=torch.float64)
+    ref = functional.sinkhorn(z, 20)
+    (ref_grad,) = torch.autograd.grad(ref, z, dres)
+    keep = []
+    res = sinkhorn_iterates(z.detach(), 20, keep)
+    torch.testing.assert_close(res, ref.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(sinkhorn_backward(dres, keep), ref_grad, rtol=0, atol=1e-12)

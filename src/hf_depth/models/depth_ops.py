@@ -407,17 +407,28 @@ def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[
 
 
 # --------------------------------------------------------------------------------------------- HC / mHC
-# A multi-stream connection routes H_s -> (x_s, mixed_s, w_s) and writes H_{s+1} = mixed_s + w_s y_s. Plain
-# autograd keeps H_s (n d per token) and several stream-sized intermediates for every sublayer. Here, as in the
-# mHC paper, only the first H of every segment of SEGMENT sublayers is saved, with every branch output y_s
-# (d per token) and write weights w_s (n per token); the backward of a segment re-runs its routing forward from
-# that H (the same ops: bit-identical streams), keeps the local graphs of the segment while it is being
-# differentiated, and frees them after. The hand-over between sublayers rides on the stream tensor itself (an
-# attribute of H_{s+1}); anything else (a caller's own tensor, reentrant checkpointing, torch.compile) starts a
-# new segment, which is only more memory, never a different result.
+# A multi-stream connection routes H_s -> (x_s, mixed_s, w_s) and writes H_{s+1} = mixed_s + w_s y_s, where
+# [x_s; mixed_s] = M_s H_s for a per-token (n+1) x n matrix M_s (row 0 reads the branch input, rows 1..n mix the
+# streams) and write weights w_s, both functions of H_s (the connection's coefficients). Plain autograd keeps
+# H_s (n d per token) and several stream-sized intermediates for every sublayer. Here, as in the mHC paper, only
+# the first H of every segment of SEGMENT sublayers is saved, with every branch output y_s (d per token), write
+# weights w_s (n per token) and the connection's small coefficient inputs (``routing_saved``: a few n-sized
+# vectors per token, what the coefficients are computed from after the stream-sized products). The backward of
+# a segment rebuilds its streams from that H (the forward's mixing and write ops: bit-identical streams), each
+# sublayer's coefficients from their saved inputs (never a second pass over the streams), and differentiates by
+# hand: the mixing by two batched products, the coefficients by the connection's ``routing_backward``.
+# The hand-over between sublayers rides on the stream tensor itself (an attribute of H_{s+1}); anything else (a
+# caller's own tensor, reentrant checkpointing, torch.compile) starts a new segment, which is only more memory,
+# never a different result. With the Triton kernels (CUDA), the backward instead re-runs the segment's routing
+# forward through the kernels' own autograd (``_Segment.graph``).
 
 SEGMENT = 4
 _SEG_ATTR = "_hf_depth_segment"
+
+
+def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the leading dims that ``like`` (a parameter-shaped weight) does not have."""
+    return t if t.dim() == like.dim() else t.flatten(0, t.dim() - like.dim() - 1).sum(0)
 
 
 class _Segment:
@@ -425,10 +436,16 @@ class _Segment:
         self.start = start
         self.routes: dict = {}  # s -> (weakref to the route node, connection)
         self.writes: dict = {}  # s -> weakref to the write node
-        self.local: dict = {}  # s -> (H_s leaf, (x, mixed, w)) recomputed graphs, live during backward
-        self.unpacked: dict = {}  # s -> (w, y) of the write, unpacked by the recomputation, handed to its backward
+        self.local: dict = {}  # s -> what the backward of route s needs, rebuilt during backward
+        self.unpacked: dict = {}  # s -> (w, y) of the write, unpacked by the rebuild, handed to its backward
+
+    def _write_saved(self, j: int):
+        if j not in self.unpacked:  # saved tensors are unpacked once (checkpointing allows no more)
+            self.unpacked[j] = self.writes[j]().saved_tensors
+        return self.unpacked[j]
 
     def graph(self, s: int):
+        """(H_s leaf, (x, mixed, w)) of route s re-run with autograd (the Triton path)."""
         if s in self.local:
             return self.local.pop(s)
         ctx0 = self.routes[self.start][0]()
@@ -440,12 +457,33 @@ class _Segment:
                 x, mixed, w, _ = conn.route(Hd)
             self.local[j] = (Hd, (x, mixed, w))
             if j < s:
-                if j not in self.unpacked:  # saved tensors are unpacked once (checkpointing allows no more)
-                    self.unpacked[j] = self.writes[j]().saved_tensors
-                y = self.unpacked[j][1]
+                y = self._write_saved(j)[1]
                 with torch.no_grad(), torch.autocast(device_type=H.device.type, enabled=False):
                     H = conn.depth(mixed.detach(), w.detach(), y)
         return self.local.pop(s)
+
+    def rebuilt(self, s: int):
+        """(H_s, saved routing inputs, M_s, backward state) of route s: the streams rebuilt from the segment's
+        first H by the forward's own ops, the coefficients from their saved inputs (the CPU path)."""
+        if s in self.local:
+            return self.local.pop(s)
+        H = None
+        for j in range(self.start, s + 1):
+            saved = self.routes[j][0]().saved_tensors
+            if j == self.start:
+                H, saved = saved[0], saved[1:]
+            conn = self.routes[j][1]
+            M, state = conn.routing_rebuild(saved)
+            self.local[j] = (H, saved, M, state)
+            if j < s:
+                w, y = self._write_saved(j)
+                H = conn.depth(_mix(M, H)[..., 1:, :], w, y)
+        return self.local.pop(s)
+
+
+def _mix(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """[x; mixed] = M H: one batched [n+1, n] @ [n, d] product per token, in the streams' dtype."""
+    return M.to(H.dtype) @ H
 
 
 class _Route(torch.autograd.Function):
@@ -453,19 +491,55 @@ class _Route(torch.autograd.Function):
     def forward(ctx, conn, s, H, *params):
         seg = SourceBank.enabled() and getattr(H, _SEG_ATTR, None)
         # the decision depends on the input alone, so a checkpointed recomputation saves exactly what the forward did
-        if not seg or s - seg.start >= SEGMENT:
+        start = not seg or s - seg.start >= SEGMENT
+        if start:
             seg = _Segment(s)
-            ctx.save_for_backward(H)
         if s not in seg.routes or seg.routes[s][0]() is None:  # a recomputation never replaces the original node
             seg.routes[s] = (weakref.ref(ctx), conn)
         ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
+        ctx.by_hand = not dispatch.use_triton(H)
         with torch.autocast(device_type=H.device.type, enabled=False):
-            x, mixed, w, seen = conn.route(H)
+            if ctx.by_hand:
+                M, w, seen, saved = conn.routing_saved(H)
+                full = _mix(M, H)
+                x, mixed = full[..., 0, :].contiguous(), full[..., 1:, :]
+                ctx.save_for_backward(*((H,) if start else ()), *saved)
+            else:
+                x, mixed, w, seen = conn.route(H)
+                ctx.save_for_backward(*((H,) if start else ()))
         conn._seen_raw = seen
         return x, mixed, w
 
     @staticmethod
     def backward(ctx, dx, dmixed, dw):
+        if not ctx.by_hand:
+            return _Route.replay(ctx, dx, dmixed, dw)
+        H, saved, M, state = ctx.seg.rebuilt(ctx.s)
+        conn = ctx.seg.routes[ctx.s][1]
+        if ctx.s == ctx.seg.start:
+            ctx.seg.local.clear()
+        dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
+        dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
+        dfull = torch.cat((dx.unsqueeze(-2), dmixed), dim=-2)  # [..., n+1, d]
+        dM = _sum_to(dfull @ H.transpose(-1, -2), M).to(M.dtype)
+        if dw is None:
+            dw = torch.zeros(H.shape[:-1], dtype=M.dtype, device=H.device)
+        dH_routing, grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype))
+        MT = M.to(H.dtype).transpose(-1, -2)
+        if dH_routing is None:
+            dH = MT @ dfull
+        else:  # dH_routing + M^T dfull, in one pass
+            n, d = H.shape[-2:]
+            dH = torch.baddbmm(dH_routing.to(H.dtype).reshape(-1, n, d), MT.expand(*H.shape[:-2], n, n + 1)
+                               .reshape(-1, n, n + 1), dfull.reshape(-1, n + 1, d)).view(H.shape)
+        params = [p for _, p in conn.named_parameters(recurse=False)]
+        names = [n for n, _ in conn.named_parameters(recurse=False)]
+        out = [grads.get(n) for n in names]
+        out = [None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in zip(out, params)]
+        return (None, None, dH, *out)
+
+    @staticmethod
+    def replay(ctx, dx, dmixed, dw):
         Hd, outs = ctx.seg.graph(ctx.s)
         conn = ctx.seg.routes[ctx.s][1]
         params = list(conn.parameters(recurse=False))
@@ -495,8 +569,9 @@ class _Write(torch.autograd.Function):
         seg = ctx.seg
         w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
         wm = w.to(ctx.mixed_dtype)
-        dy = (dH * wm.unsqueeze(-1)).sum(-2).to(y.dtype)
-        dw = (dH * y.to(dH.dtype).unsqueeze(-2)).sum(-1).to(w.dtype)
+        # per token: dy = w^T dH ([1, n] @ [n, d]), dw = dH y ([n, d] @ [d, 1]): batched products, no temporaries
+        dy = (wm.unsqueeze(-2) @ dH).squeeze(-2).to(y.dtype)
+        dw = (dH @ y.to(dH.dtype).unsqueeze(-1)).squeeze(-1).to(w.dtype)
         return None, None, None, dH, dw, dy
 
 

@@ -41,8 +41,9 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
-from .depth_ops import SEGMENT, stream_route, stream_write
+from .depth_ops import SEGMENT, _sum_to, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
+from .functional import _acc
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, fold_aliases, one, pre_norms
 from .residual import (
@@ -159,6 +160,20 @@ def _token_mean(v: torch.Tensor, trailing: int) -> torch.Tensor:
     return v if lead == 0 else v.reshape(-1, *v.shape[lead:]).mean(0)
 
 
+def normalized_projection_backward(X, r, P, dP, WT):
+    """(dX, dW^T) of P = (X W) r, r = 1 / rms(X) [..., 1] (= rms(X) W), for rows X [..., k] and WT = W^T
+    [c, k], given the gradient dP of P [..., c]; fp32. ``X^T dQ`` as ``(dQ^T X)^T`` and ``dQ W^T``: the fast
+    layouts of these thin products on CPU."""
+    Xf = _acc(X)
+    k = Xf.shape[-1]
+    dQ = dP * r  # gradient of the unnormalized product X W
+    dWT = dQ.reshape(-1, WT.shape[0]).T @ Xf.reshape(-1, k)
+    # through r: dr/dX = -r^3 X / k and dL/dr = sum_c dP_c P_c / r
+    dX = torch.addcmul((dQ.reshape(-1, WT.shape[0]) @ WT).view(Xf.shape), Xf,
+                       (dP * P).sum(-1, keepdim=True) * (r * r / k), value=-1.0)
+    return dX, dWT
+
+
 class MultiStreamConnection(SublayerConnection, abc.ABC):
     """``read`` computes the routing once and hands (mixed streams, write weights) to ``write`` as its carry.
 
@@ -184,6 +199,22 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
     @abc.abstractmethod
     def static_weights(self) -> dict[str, torch.Tensor]:
         """The input-independent ``pre`` / ``res`` / ``post`` weights."""
+
+    # The CPU training path (``depth_ops._Route``) differentiates the routing by hand, in three steps:
+    @abc.abstractmethod
+    def routing_saved(self, H: torch.Tensor):
+        """(M [..., n+1, n], write weights w [..., n], seen, saved) of streams H, fp32: [x; mixed] = M H.
+        ``saved``: the small tensors (a few n-sized vectors per token) that the coefficients are recomputed from
+        in backward, after the products with the streams."""
+
+    @abc.abstractmethod
+    def routing_rebuild(self, saved: tuple):
+        """(M, state for ``routing_backward``) from ``saved``, without touching the streams."""
+
+    @abc.abstractmethod
+    def routing_backward(self, H: torch.Tensor, saved: tuple, state, dM: torch.Tensor, dw: torch.Tensor):
+        """(gradient of H through the coefficients or None, {parameter name: gradient}) from the gradients of M
+        (summed to M's shape) and of w."""
 
     def read(self, state: torch.Tensor, norm: nn.Module | None):
         # saved for backward: H at segment starts, y and the write weights per sublayer (depth_ops.stream_route)
@@ -273,8 +304,8 @@ class HCConnection(MultiStreamConnection):
             init.constant_(self.alpha_scale, self.alpha_scale_init)
             init.constant_(self.beta_scale, self.beta_scale_init)
 
-    def coefficients(self, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [..., n, n+1], beta [..., n]) in fp32."""
+    def coefficients(self, H: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [..., n, n+1], beta [..., n]) in fp32 (static HC: the parameters, H unused)."""
         if not self.dynamic:
             return self.static_alpha.float(), self.static_beta.float()
         return hc_coefficients(
@@ -282,13 +313,69 @@ class HCConnection(MultiStreamConnection):
             self.static_beta, self.dynamic_beta, self.beta_scale, self.eps,
         )  # fmt: skip
 
+    def _unmixed(self, A: torch.Tensor) -> torch.Tensor:
+        """Earlier DepthBench (``stream_mixing=False``): the streams pass unmixed (A_r read as I, exactly H)."""
+        if self.stream_mixing:
+            return A
+        eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(*A.shape[:-1], self.n)
+        return torch.cat([A[..., :1], eye], dim=-1)
+
     def route(self, H):
         A, beta = self.coefficients(H)
-        if not self.stream_mixing:  # earlier DepthBench: the streams pass unmixed (A_r read as I, exactly H)
-            eye = torch.eye(self.n, dtype=A.dtype, device=A.device).expand(*A.shape[:-1], self.n)
-            A = torch.cat([A[..., :1], eye], dim=-1)
+        A = self._unmixed(A)
         x, mixed = hc_width(H, A)
-        return x, mixed, beta, {"pre": A[..., 0], "res": A[..., 1:].transpose(-1, -2), "post": beta}
+        return x, mixed, beta, self._seen_of(A, beta)
+
+    @staticmethod
+    def _seen_of(A, beta):
+        return {"pre": A[..., 0], "res": A[..., 1:].transpose(-1, -2), "post": beta}
+
+    def _projection(self) -> torch.Tensor:
+        """[W_a | w_b]^T, [n + 2, d] in fp32: the dynamic projections of A and beta as one matrix."""
+        return torch.cat((_acc(self.dynamic_alpha).T, _acc(self.dynamic_beta).unsqueeze(0)))
+
+    def _gates(self, P: torch.Tensor):
+        """(A, beta, tanh(P)) from the normalized projections P = N̄(H) [W_a | w_b], [..., n, n + 2]."""
+        T = torch.tanh(P)
+        A = _acc(self.static_alpha) + _acc(self.alpha_scale) * T[..., :-1]
+        beta = _acc(self.static_beta) + _acc(self.beta_scale) * T[..., -1]
+        return A, beta, T
+
+    def routing_saved(self, H):
+        if not self.dynamic:
+            A, beta = self.coefficients(H)
+            A = self._unmixed(A)
+            return A.transpose(-1, -2), beta, self._seen_of(A, beta), ()
+        # the reference's ops (functional.hc_coefficients), kept: the forward stays bit-identical
+        Hf = _acc(H)
+        r = torch.rsqrt(Hf.pow(2).mean(-1, keepdim=True) + self.eps)
+        Hn = Hf * r
+        P = torch.cat((Hn @ _acc(self.dynamic_alpha), (Hn @ _acc(self.dynamic_beta)).unsqueeze(-1)), dim=-1)
+        A, beta, _ = self._gates(P)
+        A = self._unmixed(A)
+        return A.transpose(-1, -2), beta, self._seen_of(A, beta), (r, P)
+
+    def routing_rebuild(self, saved):
+        if not self.dynamic:
+            A, beta = self.coefficients(None)
+            return self._unmixed(A).transpose(-1, -2), None
+        A, _, T = self._gates(saved[1])
+        return self._unmixed(A).transpose(-1, -2), T
+
+    def routing_backward(self, H, saved, T, dM, dw):
+        dA = dM.transpose(-1, -2)
+        if not self.stream_mixing:  # the mixing columns are replaced by I: no gradient reaches them
+            dA = torch.cat((dA[..., :1], torch.zeros_like(dA[..., 1:])), dim=-1)
+        grads = {"static_alpha": _sum_to(dA, self.static_alpha), "static_beta": _sum_to(dw, self.static_beta)}
+        if not self.dynamic:
+            return None, grads
+        r, P = saved
+        grads["alpha_scale"] = (dA * T[..., :-1]).sum()
+        grads["beta_scale"] = (dw * T[..., -1]).sum()
+        dT = torch.cat((dA * _acc(self.alpha_scale), (dw * _acc(self.beta_scale)).unsqueeze(-1)), dim=-1)
+        dH, dW = normalized_projection_backward(H, r, P, dT * (1 - T * T), self._projection())
+        grads["dynamic_alpha"], grads["dynamic_beta"] = dW[:-1].T, dW[-1]
+        return dH, grads
 
     def depth(self, mixed, beta, out):
         return hc_depth(mixed, beta, out)
@@ -389,21 +476,30 @@ def olmo_layer(config, i: int, options: dict) -> list:
     return rules
 
 
-def stream_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+def stream_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int,
+                                  routing_floats: int = 0) -> int:
     """HC and mHC (``depth_ops.stream_route``/``stream_write``), per token: every sublayer's branch output y
-    (compute dtype) and write weights w (n, fp32); the n streams H (fp32) at every segment start after the first
-    (``SEGMENT`` sublayers per segment; the first one's H is the embedding's broadcast, d); with
-    ``sum_of_normed`` the final norm of all n streams instead of one vector."""
+    (compute dtype), write weights w (n, fp32) and ``routing_floats`` fp32 coefficient inputs
+    (``routing_saved``; the CPU path: the Triton path recomputes them); the n streams H (fp32) at every segment
+    start after the first (``SEGMENT`` sublayers per segment; the first one's H is the embedding's broadcast,
+    d); with ``sum_of_normed`` the final norm of all n streams instead of one vector."""
     n, d, S = config.num_streams, config.hidden_size, config.num_sublayers
-    per_token = S * (d * compute_bytes + n * 4) + ((S - 1) // SEGMENT) * n * d * STREAM_BYTES + d * STREAM_BYTES
+    per_token = S * (d * compute_bytes + (n + routing_floats) * 4)
+    per_token += ((S - 1) // SEGMENT) * n * d * STREAM_BYTES + d * STREAM_BYTES
     if config.final_reduce == "sum_of_normed":
         per_token += (n - 1) * rms_norm_saved_bytes(d)
     return per_token * batch * seq_len
 
 
+def hc_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """``stream_extra_activation_bytes`` with dynamic HC's saved 1/rms (n) and projections (n (n + 2))."""
+    n = config.num_streams
+    return stream_extra_activation_bytes(config, batch, seq_len, compute_bytes,
+                                         n * (n + 3) if config.hc_dynamic else 0)
+
+
 #: what HC and mHC share: the n-stream state and its init, and the OLMo-core branch aliases of their blocks
-MULTI_STREAM = dict(stream=MultiStream, init_scale=output_init_scale,
-                    extra_activation_bytes=stream_extra_activation_bytes)
+MULTI_STREAM = dict(stream=MultiStream, init_scale=output_init_scale)
 MULTI_STREAM_OLMO = dict(fold=fold_branch_aliases, aliases=branch_aliases)
 
 OLMO = OlmoRules(
@@ -426,7 +522,8 @@ def hc_upcycle_closeness(config) -> tuple[str, float] | None:
 DESIGN = register(Design(
     "hc", HCConfig, HCModel, HCForCausalLM, connection=HCConnection, param_roles=HCConnection.param_roles,
     upcycle_fields={"hc_final_reduce": "mean_then_norm"}, upcycle_closeness=hc_upcycle_closeness,
-    extra_params=hc_extra_params, extra_flops=hc_extra_flops, olmo=OLMO, **MULTI_STREAM,
+    extra_params=hc_extra_params, extra_flops=hc_extra_flops, extra_activation_bytes=hc_extra_activation_bytes,
+    olmo=OLMO, **MULTI_STREAM,
     summary="x = sum_i A_i0 H_i, H' = A_r^T H + beta F(N(x)); A, beta static + 0.01 tanh(dynamic), n = 4 streams",
     paper="Zhu et al. 2025, Hyper-Connections (ICLR 2025, arXiv 2409.19606)",
 ))

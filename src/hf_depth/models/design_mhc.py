@@ -39,6 +39,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
+from .depth_ops import _sum_to
 from .design_hc import (
     FINAL_REDUCES,
     MULTI_STREAM,
@@ -47,10 +48,13 @@ from .design_hc import (
     _eps,
     _flag,
     multi_stream_flops,
+    normalized_projection_backward,
     olmo_connections,
     olmo_reduce,
+    stream_extra_activation_bytes,
 )
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
+from .functional import _acc
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, Rule, one, pre_norms
 from .residual import Design, register
@@ -164,6 +168,55 @@ class MHCConnection(MultiStreamConnection):
         x, mixed = mhc_width(H, pre, res)
         return x, mixed, post, {"pre": pre, "res": res, "post": post}
 
+    def _gates(self, proj: torch.Tensor, keep: list | None = None):
+        """(pre, post, res, t) from the normalized projection ``proj`` = (vec(H) phi) / r, [..., n^2 + 2n], with
+        the ops of ``functional.mhc_gates`` (the forward stays bit-identical). ``keep`` (a list, in backward):
+        Sinkhorn by ``sinkhorn_iterates`` instead, collecting its iterates for ``sinkhorn_backward``."""
+        n, a, b = self.n, _acc(self.alpha_scale), _acc(self.static_bias)
+        t = torch.tanh(proj) if self.tanh else proj
+        pre = torch.sigmoid(a[0] * t[..., :n] + b[:n])
+        post = 2.0 * torch.sigmoid(a[1] * t[..., n : 2 * n] + b[n : 2 * n])
+        logits = (a[2] * t[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
+        if self.columns_first:
+            logits = logits.transpose(-1, -2)
+        res = sinkhorn(logits, self.iters) if keep is None else sinkhorn_iterates(logits, self.iters, keep)
+        return pre, post, (res.transpose(-1, -2) if self.columns_first else res), t
+
+    def routing_saved(self, H):
+        # the reference's ops (functional.mhc_coefficients), kept: the forward stays bit-identical
+        x = _acc(H.flatten(-2))
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        proj = (x @ _acc(self.dynamic_phi)) * r
+        pre, post, res, _ = self._gates(proj)
+        M = torch.cat((pre.unsqueeze(-2), res), dim=-2)
+        return M, post, {"pre": pre, "res": res, "post": post}, (r, proj, M)
+
+    def routing_rebuild(self, saved):
+        keep = []
+        pre, post, _, t = self._gates(saved[1], keep)
+        return saved[2], (pre, post, t, keep)  # the forward's M: the streams are rebuilt bit-identical
+
+    def routing_backward(self, H, saved, state, dM, dw):
+        n, a = self.n, _acc(self.alpha_scale)
+        r, proj, _ = saved
+        pre, post, t, keep = state
+        du_pre = dM[..., 0, :] * pre * (1 - pre)
+        du_post = dw * post * (1 - 0.5 * post)  # d(2 sigmoid(u))/du = 2 s (1 - s), s = post / 2
+        dres = dM[..., 1:, :]
+        if self.columns_first:
+            dlogits = sinkhorn_backward(dres.transpose(-1, -2), keep).transpose(-1, -2).flatten(-2)
+        else:
+            dlogits = sinkhorn_backward(dres, keep).flatten(-2)
+        du = torch.cat((du_pre, du_post, dlogits), dim=-1)  # gradient of a t + b, [..., n^2 + 2n]
+        da = torch.stack([(du[..., :n] * t[..., :n]).sum(), (du_post * t[..., n : 2 * n]).sum(),
+                          (dlogits * t[..., 2 * n :]).sum()])
+        gate = torch.cat((a[0].expand(n), a[1].expand(n), a[2].expand(n * n)))
+        dt = du * gate
+        dproj = dt * (1 - t * t) if self.tanh else dt
+        dX, dphiT = normalized_projection_backward(H.flatten(-2), r, proj, dproj, _acc(self.dynamic_phi).T)
+        grads = {"dynamic_phi": dphiT.T, "static_bias": _sum_to(du, self.static_bias), "alpha_scale": da}
+        return dX.view(H.shape), grads
+
     def depth(self, mixed, post, out):
         return mhc_depth(mixed, post, out)
 
@@ -180,12 +233,50 @@ class MHCConnection(MultiStreamConnection):
         return f"sublayer={self.sublayer_idx}, streams={self.n}, init={self.init_kind}, sinkhorn_iters={self.iters}"
 
 
+def sinkhorn_iterates(logits: torch.Tensor, iters: int, keep: list | None = None) -> torch.Tensor:
+    """``functional.sinkhorn`` (rows, then columns, ``iters`` times) by normalizing exp(logits) in float64, for
+    the backward: it needs every iterate, which the log-domain form would produce with an extra exp each.
+
+    Each half-step of the log-domain form, z <- z - logsumexp(z), is a division of exp(z) by its row (column)
+    sums: the same iterates, in two ops instead of logsumexp's six; float64 (more accurate than the fp32
+    reference, which it matches to its rounding) keeps the exponentials of logits spread by up to ~700 finite,
+    far beyond what the fp32 routing produces. ``keep`` (a list) receives every iterate. Returns the result in
+    the logits' dtype."""
+    z = logits.double()
+    E = torch.exp(z - z.amax(-1, keepdim=True))  # the first row step is shift invariant
+    for _ in range(iters):
+        for dim in (-1, -2):
+            E = E / E.sum(dim, keepdim=True)
+            if keep is not None:
+                keep.append(E)
+    return E.to(logits.dtype)
+
+
+def sinkhorn_backward(dres: torch.Tensor, keep: list) -> torch.Tensor:
+    """Gradient of the logits of ``sinkhorn_iterates`` (exact through every iteration, not the implicit one).
+
+    The half-step z' = z - logsumexp(z) has dz = dz' - softmax(z) sum(dz'), and softmax(z) = exp(z') is the
+    kept iterate."""
+    E = keep[-1]
+    dz = dres.double() * E
+    for k in range(len(keep) - 1, -1, -1):
+        dz = torch.addcmul(dz, keep[k], dz.sum(-1 if k % 2 == 0 else -2, keepdim=True), value=-1.0)
+    return dz.to(dres.dtype)
+
+
 def mhc_extra_flops(config, T: int, model=None) -> dict:
     """mHC (functional.mhc_*): per sublayer vec(H) phi [n d] x [n d, n^2 + 2n], the read and the H_res mix;
     other: the Sinkhorn iterations."""
     n, S = config.num_streams, config.num_sublayers
     sinkhorn = 2 * config.mhc_sinkhorn_iters * 3 * n * n * T
     return {"matmul": S * multi_stream_flops(config, T, n * n + 2 * n), "other": S * sinkhorn}
+
+
+def mhc_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
+    """``stream_extra_activation_bytes`` with mHC's saved 1/rms (1), projections (n^2 + 2n) and [H_pre; H_res]
+    (n^2 + n)."""
+    n = config.num_streams
+    return stream_extra_activation_bytes(config, batch, seq_len, compute_bytes, 2 * n * n + 3 * n + 1)
 
 
 def mhc_extra_params(config: MHCConfig) -> int:
@@ -339,7 +430,8 @@ def mhc_upcycle_closeness(config) -> tuple[str, float] | None:
 DESIGN = register(Design(
     "mhc", MHCConfig, MHCModel, MHCForCausalLM, connection=MHCConnection, param_roles=MHCConnection.param_roles,
     upcycle_fields={"mhc_init": "identity"}, upcycle_closeness=mhc_upcycle_closeness,
-    extra_params=mhc_extra_params, extra_flops=mhc_extra_flops, olmo=OLMO, **MULTI_STREAM,
+    extra_params=mhc_extra_params, extra_flops=mhc_extra_flops, extra_activation_bytes=mhc_extra_activation_bytes,
+    olmo=OLMO, **MULTI_STREAM,
     summary="H' = H_res H + H_post^T F(N(H_pre H)); H_res = Sinkhorn (doubly stochastic), H_pre = sigmoid, "
     "H_post = 2 sigmoid",
     paper="Xie et al. 2025, mHC: Manifold-Constrained Hyper-Connections (DeepSeek, arXiv 2512.24880)",

@@ -92,7 +92,21 @@ def hc_width(H: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def hc_depth(mixed: torch.Tensor, beta: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Write the branch output into every stream: H'_t = mixed_t + beta_t * y."""
-    return mixed + beta.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
+    return write_streams(mixed, beta, y)
+
+
+def write_streams(mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``mixed + w.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)`` (HC and mHC's write), as one batched
+    ``mixed_t + [n, 1] @ [1, d]`` per token: one pass over the streams instead of a stream-sized temporary and
+    two passes, the same values (a product with one term is the rounded product)."""
+    n, d = mixed.shape[-2:]
+    lead = mixed.shape[:-2]
+    if y.shape[:-1] != lead:
+        return mixed + w.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
+    dt = torch.promote_types(mixed.dtype, y.dtype)
+    w = w.to(mixed.dtype).to(dt).expand(*lead, n)
+    out = torch.baddbmm(mixed.to(dt).reshape(-1, n, d), w.reshape(-1, n, 1), y.to(dt).reshape(-1, 1, d))
+    return out.view(*lead, n, d)
 
 
 # --------------------------------------------------------------------------- mHC
@@ -145,7 +159,7 @@ def mhc_width(H: torch.Tensor, pre: torch.Tensor, res: torch.Tensor) -> tuple[to
 
 def mhc_depth(mixed: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """H'_t = mixed_t + post_t * y."""
-    return mixed + post.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
+    return write_streams(mixed, post, y)
 
 
 # --------------------------------------------------------------------------- AttnRes
