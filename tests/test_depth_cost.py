@@ -215,9 +215,10 @@ def test_write_streams_is_the_broadcast_product():
     """``functional.write_streams`` (one batched product per token) gives mixed + w y of the broadcast form, for
     per-token and static weights and a non-contiguous ``mixed`` (the rows of the width product)."""
     g = torch.Generator().manual_seed(0)
-    full = torch.randn(2, 3, 5, 8, generator=g)
-    mixed, y = full[..., 1:, :], torch.randn(2, 3, 8, generator=g)
-    for w in (torch.randn(2, 3, 4, generator=g), torch.randn(4, generator=g)):
+    full = torch.randn(2, 64, 5, 256, generator=g)  # above functional._ONE_PASS_MIN: the batched product
+    mixed, y = full[..., 1:, :], torch.randn(2, 64, 256, generator=g)
+    assert mixed.numel() >= functional._ONE_PASS_MIN
+    for w in (torch.randn(2, 64, 4, generator=g), torch.randn(4, generator=g)):
         ref = mixed + w.unsqueeze(-1) * y.unsqueeze(-2)
         torch.testing.assert_close(functional.write_streams(mixed, w, y), ref, rtol=0, atol=1e-6)
 

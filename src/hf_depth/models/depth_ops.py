@@ -530,8 +530,9 @@ class _Route(torch.autograd.Function):
             dH = MT @ dfull
         else:  # dH_routing + M^T dfull, in one pass
             n, d = H.shape[-2:]
-            dH = torch.baddbmm(dH_routing.to(H.dtype).reshape(-1, n, d), MT.expand(*H.shape[:-2], n, n + 1)
-                               .reshape(-1, n, n + 1), dfull.reshape(-1, n + 1, d)).view(H.shape)
+            dH = dH_routing.to(H.dtype).reshape(-1, n, d)
+            dH = dH.baddbmm_(MT.expand(*H.shape[:-2], n, n + 1).reshape(-1, n, n + 1),
+                             dfull.reshape(-1, n + 1, d)).view(H.shape)
         params = [p for _, p in conn.named_parameters(recurse=False)]
         names = [n for n, _ in conn.named_parameters(recurse=False)]
         out = [grads.get(n) for n in names]
@@ -576,8 +577,9 @@ class _Write(torch.autograd.Function):
 
 
 def stream_route(conn, s: int, H: torch.Tensor):
-    """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above)."""
-    if not SourceBank.enabled():
+    """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above). Without grad
+    (generation), ``conn.route`` itself: the same ops, nothing to save."""
+    if not SourceBank.enabled() or not torch.is_grad_enabled():
         with torch.autocast(device_type=H.device.type, enabled=False):
             return conn.route(H)
     x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
@@ -587,7 +589,7 @@ def stream_route(conn, s: int, H: torch.Tensor):
 
 def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``conn.depth(mixed, w, y)`` saving (w, y); the output carries the segment on to the next sublayer."""
-    if not SourceBank.enabled():
+    if not SourceBank.enabled() or not torch.is_grad_enabled():
         with torch.autocast(device_type=mixed.device.type, enabled=False):
             return conn.depth(mixed, w, y)
     node = mixed.grad_fn

@@ -169,8 +169,8 @@ def normalized_projection_backward(X, r, P, dP, WT):
     dQ = dP * r  # gradient of the unnormalized product X W
     dWT = dQ.reshape(-1, WT.shape[0]).T @ Xf.reshape(-1, k)
     # through r: dr/dX = -r^3 X / k and dL/dr = sum_c dP_c P_c / r
-    dX = torch.addcmul((dQ.reshape(-1, WT.shape[0]) @ WT).view(Xf.shape), Xf,
-                       (dP * P).sum(-1, keepdim=True) * (r * r / k), value=-1.0)
+    dX = (dQ.reshape(-1, WT.shape[0]) @ WT).view(Xf.shape)
+    dX.addcmul_(Xf, (dP * P).sum(-1, keepdim=True) * (r * r / k), value=-1.0)
     return dX, dWT
 
 

@@ -101,12 +101,15 @@ def write_streams(mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torc
     two passes, the same values (a product with one term is the rounded product)."""
     n, d = mixed.shape[-2:]
     lead = mixed.shape[:-2]
-    if y.shape[:-1] != lead:
+    if mixed.numel() < _ONE_PASS_MIN or y.shape[:-1] != lead or not mixed.dtype == y.dtype == w.dtype:
+        # decoding (a few tokens: fewer dispatches), or broadcasting / mixed dtypes
         return mixed + w.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
-    dt = torch.promote_types(mixed.dtype, y.dtype)
-    w = w.to(mixed.dtype).to(dt).expand(*lead, n)
-    out = torch.baddbmm(mixed.to(dt).reshape(-1, n, d), w.reshape(-1, n, 1), y.to(dt).reshape(-1, 1, d))
-    return out.view(*lead, n, d)
+    w = w.expand(*lead, n)
+    return torch.baddbmm(mixed.reshape(-1, n, d), w.reshape(-1, n, 1), y.reshape(-1, 1, d)).view(*lead, n, d)
+
+
+#: streams of fewer elements than this are written by the broadcast form (dispatch-bound, not memory-bound)
+_ONE_PASS_MIN = 1 << 16
 
 
 # --------------------------------------------------------------------------- mHC
