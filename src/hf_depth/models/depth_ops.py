@@ -287,7 +287,8 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         dpartial = None
         if P is not None:  # the running partial sum's own logit (read by this consumer only)
             a, b = dz[K] * rp, -(dz[K] * zp * rp * rp) / d
-            dpartial = (p[K].unsqueeze(-1) * do + a.unsqueeze(-1) * qc + b.unsqueeze(-1) * Pa)
+            dpartial = do * p[K].unsqueeze(-1)
+            dpartial.addcmul_(a.unsqueeze(-1), qc).addcmul_(b.unsqueeze(-1), Pa)
             dpartial = dpartial.to(partial.dtype).view_as(partial)
             dqg = torch.zeros_like(two.qg_d)
             dqg[col] = a @ Pa
