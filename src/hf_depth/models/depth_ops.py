@@ -141,9 +141,9 @@ class TwoPhase:
     """The static pseudo-queries of every consumer of a bank (Kimi AttnRes' two-phase form).
 
     ``qg`` [C, d] (fp32, in the graph): row c = query_c * key weight_c of consumer c (one per aggregation of the
-    forward). A slot's logits against *every* consumer, z[i] = r_i (v_i @ qg^T) [N, C], are one matmul done when
+    forward). A slot's logits against every consumer that reads it, r_i (qg @ v_i^T) [C', N], are one matmul done when
     the slot is written, so a sublayer's softmax reads its column of precomputed logits instead of a pass over all
-    its sources. In backward each consumer writes its logits' gradient into column c of ``dz`` [capacity, N, C], and
+    its sources. In backward each consumer writes its logits' gradient into row c of ``dz`` [C, capacity, N], and
     the slot's first reader (whose backward runs after every later consumer's, see ``SourceBank.grad``) turns its
     complete row into the slot's and the queries' gradients with two matmuls. The logits are a transient: held in
     forward until the last consumer (column C - 1) has read them, and rebuilt once per backward from the bank (one
@@ -154,8 +154,8 @@ class TwoPhase:
         self.cols = {id(q): c for c, q in enumerate(self.queries)}
         self.qg, self.qg_d = qg, qg.detach()
         n = bank.data.shape[1:-1].numel()
-        self.z_shape = (n, qg.shape[0])
-        self.z = torch.empty((bank.data.shape[0], *self.z_shape), dtype=qg.dtype, device=qg.device)
+        self.z_shape = (qg.shape[0], bank.data.shape[0], n)  # [C, capacity, N]: a consumer's column is contiguous
+        self.z = torch.empty(self.z_shape, dtype=qg.dtype, device=qg.device)
         self.writes: list[tuple[int, int, int]] = []  # (first slot, end, writer column) of every write
         self._task = None  # (graph task id, rebuilt logits, their gradients)
 
@@ -171,27 +171,26 @@ class TwoPhase:
 
     def logits(self, lo: int, hi: int, col: int) -> torch.Tensor:
         """z of slots ``lo:hi``, written by consumer ``col``, against it and every later consumer (the ones that
-        read them): [hi - lo, N, C - col] (fp32)."""
+        read them): [C - col, hi - lo, N] (fp32)."""
         V = self.bank.data[lo:hi]
         d = V.shape[-1]
         Va = V.reshape(-1, d).to(self.qg_d.dtype)
-        r = self.bank.rinv[lo:hi].reshape(hi - lo, -1, 1)
-        return r * (Va @ self.qg_d[col:].t()).view(hi - lo, -1, self.qg_d.shape[0] - col)
+        r = self.bank.rinv[lo:hi].reshape(1, hi - lo, -1)
+        return r * (self.qg_d[col:] @ Va.t()).view(-1, hi - lo, r.shape[-1])
 
     def write(self, lo: int, hi: int, col: int) -> None:
         """Consumer ``col`` wrote slots ``lo:hi``: their logits (columns ``col:``), computed now."""
         self.writes.append((lo, hi, col))
-        self.z[lo:hi, :, col:] = self.logits(lo, hi, col)
+        self.z[col:, lo:hi] = self.logits(lo, hi, col)
 
     def backward_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(z rebuilt from the bank as in forward, zero logit gradients), once per graph task. Entries of a slot
         at columns before its writer's are never read (no earlier consumer reads it)."""
         task = torch._C._current_graph_task_id()
         if self._task is None or self._task[0] != task:
-            z = torch.empty((self.bank.data.shape[0], *self.z_shape), dtype=self.qg_d.dtype,
-                            device=self.qg_d.device)
+            z = torch.empty(self.z_shape, dtype=self.qg_d.dtype, device=self.qg_d.device)
             for lo, hi, col in self.writes:
-                z[lo:hi, :, col:] = self.logits(lo, hi, col)
+                z[col:, lo:hi] = self.logits(lo, hi, col)
             self._task = (task, z, torch.zeros_like(z))
         return self._task[1], self._task[2]
 
@@ -240,7 +239,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Va = V.reshape(K, -1, d)
         Va = Va if Va.dtype == acc else Va.to(acc)
         qc = two.qg_d[col]
-        z = two.z[:K, :, col] if two.z is not None else r.reshape(K, -1) * (Va.reshape(-1, d) @ qc).view(K, -1)
+        z = two.z[col, :K] if two.z is not None else r.reshape(K, -1) * (Va.reshape(-1, d) @ qc).view(K, -1)
         P = Pa = None
         if partial is not None:
             P = partial.reshape(-1, d)
@@ -266,7 +265,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Va = Va if Va.dtype == acc else Va.to(acc)
         Z, DZ = two.backward_buffers()
         qc = two.qg_d[col]
-        z = Z[:K, :, col]
+        z = Z[col, :K]
         P = Pa = None
         if partial is not None:
             P = partial.reshape(-1, d)
@@ -280,7 +279,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         if P is not None:
             dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
         dz = p * (dp - (p * dp).sum(0, keepdim=True))
-        DZ[:K, :, col] = dz[:K]
+        DZ[col, :K] = dz[:K]
         dV = bank.grad(acc)[:K].view(K, -1, d)
         dV.addcmul_(p[:K].unsqueeze(-1), do)
         dqg = None
@@ -293,16 +292,16 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             dqg = torch.zeros_like(two.qg_d)
             dqg[col] = a @ Pa
         if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
-            rf = r.reshape(K, -1)[fresh:].unsqueeze(-1)
-            dzs = DZ[fresh:K, :, col:]  # only this and later consumers read these slots
-            A = dzs * rf  # [n, N, C - col]: d z / d v = r qg - (z r^2 / d) v
-            B = -(dzs * Z[fresh:K, :, col:]).sum(-1, keepdim=True) * rf * rf / d
-            A = A.reshape(-1, A.shape[-1])
-            dV[fresh:].add_((A @ two.qg_d[col:]).view(K - fresh, -1, d))
-            dV[fresh:].addcmul_(B, Va[fresh:])
+            rf = r.reshape(K, -1)[fresh:]
+            dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
+            A = dzs * rf  # d z / d v = r qg - (z r^2 / d) v
+            B = -(dzs * Z[col:, fresh:K]).sum(0) * rf * rf / d
+            A = A.reshape(A.shape[0], -1)
+            dV[fresh:].add_((A.t() @ two.qg_d[col:]).view(K - fresh, -1, d))
+            dV[fresh:].addcmul_(B.unsqueeze(-1), Va[fresh:])
             if dqg is None:
                 dqg = torch.zeros_like(two.qg_d)
-            dqg[col:] += A.t() @ Va[fresh:].reshape(-1, d)
+            dqg[col:] += A @ Va[fresh:].reshape(-1, d)
         dV = dV.view(V.shape)
         grads = tuple(dV[i].to(V.dtype) if i >= fresh else None for i in range(ctx.n_sources))
         if fresh == 0:
