@@ -129,12 +129,28 @@ def _agg_forward(qg, V, r, P, rp, weighted_sum: bool = True):
     p = torch.softmax(z, dim=0)
     if not weighted_sum:  # backward: only the logits and the softmax are recomputed
         return z, p, None
-    out = p[0].unsqueeze(-1) * Va[0]  # sum_k p_k v_k, one slot at a time (einsum would copy V per token on CPU)
-    for k in range(1, K):
+    return z, p, _weighted_sum(p, Va, None if P is None else Pa)
+
+
+def _weighted_sum(p, Va, Pa):
+    """sum_k p_k v_k (+ p_K P), one slot at a time (einsum would copy V per token on CPU)."""
+    out = p[0].unsqueeze(-1) * Va[0]
+    for k in range(1, Va.shape[0]):
         out.addcmul_(p[k].unsqueeze(-1), Va[k])
-    if P is not None:
-        out = out + p[K].unsqueeze(-1) * Pa
-    return z, p, out
+    if Pa is not None:
+        out = out + p[-1].unsqueeze(-1) * Pa
+    return out
+
+
+def _aggregate_outputs(ctx, saved, eps, sources, bank, fresh, out, p):
+    """What both depth-softmax Functions save and return: (out [..., d] in V's dtype, p [..., S])."""
+    V = saved[2]
+    lead, d = V.shape[1:-1], V.shape[-1]
+    ctx.save_for_backward(*saved)  # the same tensors on both paths (a checkpointed recomputation may take either)
+    ctx.eps, ctx.n_sources, ctx.bank, ctx.fresh = eps, len(sources), bank, fresh
+    p = p.movedim(0, -1).reshape(*lead, -1)
+    ctx.mark_non_differentiable(p)
+    return out.to(V.dtype).view(*lead, d), p
 
 
 class TwoPhase:
@@ -214,16 +230,6 @@ def attach_queries(holder: torch.Tensor, queries, key_weights) -> None:
     bank.two = TwoPhase(bank, queries, key_weights, qg)
 
 
-def _weighted_sum(p, Va, Pa):
-    """sum_k p_k v_k (+ p_K P), one slot at a time (einsum would copy V per token on CPU)."""
-    out = p[0].unsqueeze(-1) * Va[0]
-    for k in range(1, Va.shape[0]):
-        out.addcmul_(p[k].unsqueeze(-1), Va[k])
-    if Pa is not None:
-        out = out + p[-1].unsqueeze(-1) * Pa
-    return out
-
-
 class _TwoPhaseAggregate(torch.autograd.Function):
     """``_DepthAggregate`` with the slot logits precomputed by their writer (``TwoPhase``); saves the same tensors
     (a checkpointed recomputation may take either path)."""
@@ -231,7 +237,6 @@ class _TwoPhaseAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_weight, qg, eps, V, r, partial, bank, two, col, *sources):
         K, d = V.shape[0], V.shape[-1]
-        lead = V.shape[1:-1]
         acc = qg.dtype
         fresh = bank.fresh
         if two.z is not None and fresh < K:  # this call wrote slots fresh..K-1: their logits, once
@@ -249,11 +254,8 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         out = _weighted_sum(p, Va, Pa)
         if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
             two.z = None
-        ctx.save_for_backward(query, key_weight, V, r, partial)
-        ctx.eps, ctx.n_sources, ctx.bank, ctx.two, ctx.col, ctx.fresh = eps, len(sources), bank, two, col, fresh
-        p = p.movedim(0, -1).reshape(*lead, -1)
-        ctx.mark_non_differentiable(p)
-        return out.to(V.dtype).view(*lead, d), p
+        ctx.two, ctx.col = two, col
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial), eps, sources, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
@@ -314,19 +316,14 @@ class _DepthAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_weight, eps, V, r, partial, bank, *sources):
         K, d = V.shape[0], V.shape[-1]
-        lead = V.shape[1:-1]
         acc = _acc_dtype(V.dtype)
         qg = query.to(acc) if key_weight is None else query.to(acc) * key_weight.to(acc)
         Vf = V.reshape(K, -1, d)
         P = None if partial is None else partial.reshape(-1, d)
         rp = None if P is None else _rinv(P, eps)
         _, p, out = _agg_forward(qg, Vf, r.reshape(K, -1), P, rp)
-        ctx.save_for_backward(query, key_weight, V, r, partial)
-        ctx.eps, ctx.n_sources = eps, len(sources)
-        ctx.bank, ctx.fresh = bank, (None if bank is None else bank.fresh)
-        p = p.movedim(0, -1).reshape(*lead, -1)
-        ctx.mark_non_differentiable(p)
-        return out.to(V.dtype).view(*lead, d), p
+        fresh = None if bank is None else bank.fresh
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial), eps, sources, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
