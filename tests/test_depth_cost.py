@@ -237,3 +237,74 @@ def test_sinkhorn_backward_is_the_unrolled_gradient():
     res = sinkhorn_iterates(z.detach(), 20, keep)
     torch.testing.assert_close(res, ref.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(sinkhorn_backward(dres, keep), ref_grad, rtol=0, atol=1e-12)
+
+@pytest.mark.parametrize("design", ["attnres", "block_attnres"])
+def test_two_phase_logits_once_per_slot(design, monkeypatch):
+    """Training forward: each source's logits against every later static query are one matmul when the slot is
+    written (``depth_ops.TwoPhase``), every aggregation reads its column of them (no pass over its sources for the
+    logits), the logits are dropped once the final aggregation has read them (not kept for backward), and
+    gradients still equal the reference, with and without activation checkpointing."""
+    from hf_depth.models import depth_ops, design_attnres
+
+    model = _perturb(tiny_model(design, num_hidden_layers=3)).train()
+    x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    with reference_paths():
+        _, ref = _logits_and_grads(model, x, None)
+    writes, calls, twos = [], [], []
+    real_write, real_apply, real_attach = depth_ops.TwoPhase.write, depth_ops._TwoPhaseAggregate.apply, \
+        design_attnres.attach_queries
+
+    def spy_write(self, lo, hi, col):
+        writes.append((lo, hi))
+        return real_write(self, lo, hi, col)
+
+    def spy_apply(*args):
+        calls.append(args[9])  # the consumer column
+        return real_apply(*args)
+
+    def spy_attach(holder, queries, key_weights):
+        real_attach(holder, queries, key_weights)
+        twos.append(depth_ops.SourceBank.of(holder).two)
+
+    monkeypatch.setattr(depth_ops.TwoPhase, "write", spy_write)
+    monkeypatch.setattr(depth_ops._TwoPhaseAggregate, "apply", spy_apply)
+    monkeypatch.setattr(design_attnres, "attach_queries", spy_attach)
+    _, grads = _logits_and_grads(model, x, None)
+    n_consumers = 2 * 3  # sublayers 1..2L-1 and the final aggregation
+    assert calls == list(range(n_consumers))
+    assert len(twos) == 1 and twos[0] is not None and twos[0].z is None  # dropped after the final read
+    slots = [i for lo, hi in writes for i in range(lo, hi)]
+    assert slots == list(range(twos[0].bank.count))  # every slot's logits made once, in order
+    model.activation_checkpointing_enable()
+    _, ckpt = _logits_and_grads(model, x, None)
+    for got in (grads, ckpt):
+        assert got.keys() == ref.keys()
+        for name in ref:
+            assert_equal_fp32(got[name], ref[name], name)
+
+
+def test_two_phase_falls_back_for_another_query(monkeypatch):
+    """An aggregation called with a query other than its module's (an intervention) cannot use the precomputed
+    logits: it computes its own, and the result is that of the model whose query has those values."""
+    from hf_depth.models import design_attnres
+
+    x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
+    model = _perturb(tiny_model("attnres", num_hidden_layers=3)).train()
+    target = model.model.layers[1].attn_connection.aggregate.query
+    real = design_attnres.depth_aggregate
+
+    def scaled(query, key_weight, sources, eps, stable=None):
+        return real(query * 1.5 if query is target else query, key_weight, sources, eps, stable)
+
+    monkeypatch.setattr(design_attnres, "depth_aggregate", scaled)
+    logits, grads = _logits_and_grads(model, x, None)
+    monkeypatch.setattr(design_attnres, "depth_aggregate", real)
+    with torch.no_grad():
+        target.mul_(1.5)
+    with reference_paths():
+        ref_logits, ref = _logits_and_grads(model, x, None)
+    name = "model.layers.1.attn_connection.aggregate.query"
+    ref[name] = ref[name] * 1.5  # d/dq of f(1.5 q)
+    assert_equal_fp32(logits, ref_logits)
+    for n in ref:
+        assert_equal_fp32(grads[n], ref[n], n)

@@ -46,6 +46,7 @@ class SourceBank:
         self.count = 0
         self.fresh = 0  # the first slot the last ``sync`` wrote (= its length when it wrote none)
         self._grad = None  # (graph task id, [capacity, *shape] gradient accumulator), see ``grad``
+        self.two: TwoPhase | None = None  # the consumers' static queries (AttnRes two-phase form), see ``TwoPhase``
 
     @staticmethod
     def enabled() -> bool:
@@ -95,6 +96,8 @@ class SourceBank:
 
     def release_grad(self) -> None:
         self._grad = None
+        if self.two is not None:
+            self.two.release()
 
     def _write(self, i: int, t: torch.Tensor) -> None:
         if t.shape != self.data.shape[1:]:
@@ -126,31 +129,201 @@ def _agg_forward(qg, V, r, P, rp, weighted_sum: bool = True):
     p = torch.softmax(z, dim=0)
     if not weighted_sum:  # backward: only the logits and the softmax are recomputed
         return z, p, None
-    out = p[0].unsqueeze(-1) * Va[0]  # sum_k p_k v_k, one slot at a time (einsum would copy V per token on CPU)
-    for k in range(1, K):
+    return z, p, _weighted_sum(p, Va, None if P is None else Pa)
+
+
+def _weighted_sum(p, Va, Pa):
+    """sum_k p_k v_k (+ p_K P), one slot at a time (einsum would copy V per token on CPU)."""
+    out = p[0].unsqueeze(-1) * Va[0]
+    for k in range(1, Va.shape[0]):
         out.addcmul_(p[k].unsqueeze(-1), Va[k])
-    if P is not None:
-        out = out + p[K].unsqueeze(-1) * Pa
-    return z, p, out
+    if Pa is not None:
+        out = out + p[-1].unsqueeze(-1) * Pa
+    return out
+
+
+def _aggregate_outputs(ctx, saved, eps, sources, bank, fresh, out, p):
+    """What both depth-softmax Functions save and return: (out [..., d] in V's dtype, p [..., S])."""
+    V = saved[2]
+    lead, d = V.shape[1:-1], V.shape[-1]
+    ctx.save_for_backward(*saved)  # the same tensors on both paths (a checkpointed recomputation may take either)
+    ctx.eps, ctx.n_sources, ctx.bank, ctx.fresh = eps, len(sources), bank, fresh
+    p = p.movedim(0, -1).reshape(*lead, -1)
+    ctx.mark_non_differentiable(p)
+    return out.to(V.dtype).view(*lead, d), p
+
+
+class TwoPhase:
+    """The static pseudo-queries of every consumer of a bank (Kimi AttnRes' two-phase form).
+
+    ``qg`` [C, d] (fp32, in the graph): row c = query_c * key weight_c of consumer c (one per aggregation of the
+    forward). A slot's logits against every consumer that reads it, r_i (qg @ v_i^T) [C', N], are one matmul done when
+    the slot is written, so a sublayer's softmax reads its column of precomputed logits instead of a pass over all
+    its sources. In backward each consumer writes its logits' gradient into row c of ``dz`` [C, capacity, N], and
+    the slot's first reader (whose backward runs after every later consumer's, see ``SourceBank.grad``) turns its
+    complete row into the slot's and the queries' gradients with two matmuls. The logits are a transient: held in
+    forward until the last consumer (column C - 1) has read them, and rebuilt once per backward from the bank (one
+    matmul per slot), never saved between forward and backward."""
+
+    def __init__(self, bank: SourceBank, queries, key_weights, qg: torch.Tensor):
+        self.bank, self.queries, self.key_weights = bank, tuple(queries), tuple(key_weights)
+        self.cols = {id(q): c for c, q in enumerate(self.queries)}
+        self.qg, self.qg_d = qg, qg.detach()
+        n = bank.data.shape[1:-1].numel()
+        self.z_shape = (qg.shape[0], bank.data.shape[0], n)  # [C, capacity, N]: a consumer's column is contiguous
+        self.z = torch.empty(self.z_shape, dtype=qg.dtype, device=qg.device)
+        self.writes: list[tuple[int, int, int]] = []  # (first slot, end, writer column) of every write
+        self._task = None  # (graph task id, rebuilt logits, their gradients)
+
+    def column(self, query, key_weight) -> int | None:
+        """The consumer column of (query, key weight), or None if they are not the ones the logits were made with."""
+        c = self.cols.get(id(query))
+        if c is None or self.queries[c] is not query:
+            return None
+        w = self.key_weights[c]
+        if w is key_weight or (w is not None and key_weight is not None and torch.equal(w, key_weight)):
+            return c
+        return None
+
+    def logits(self, lo: int, hi: int, col: int) -> torch.Tensor:
+        """z of slots ``lo:hi``, written by consumer ``col``, against it and every later consumer (the ones that
+        read them): [C - col, hi - lo, N] (fp32)."""
+        V = self.bank.data[lo:hi]
+        d = V.shape[-1]
+        Va = V.reshape(-1, d).to(self.qg_d.dtype)
+        r = self.bank.rinv[lo:hi].reshape(1, hi - lo, -1)
+        return r * (self.qg_d[col:] @ Va.t()).view(-1, hi - lo, r.shape[-1])
+
+    def write(self, lo: int, hi: int, col: int) -> None:
+        """Consumer ``col`` wrote slots ``lo:hi``: their logits (columns ``col:``), computed now."""
+        self.writes.append((lo, hi, col))
+        self.z[col:, lo:hi] = self.logits(lo, hi, col)
+
+    def backward_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(z rebuilt from the bank as in forward, zero logit gradients), once per graph task. Entries of a slot
+        at columns before its writer's are never read (no earlier consumer reads it)."""
+        task = torch._C._current_graph_task_id()
+        if self._task is None or self._task[0] != task:
+            z = torch.empty(self.z_shape, dtype=self.qg_d.dtype, device=self.qg_d.device)
+            for lo, hi, col in self.writes:
+                z[col:, lo:hi] = self.logits(lo, hi, col)
+            self._task = (task, z, torch.zeros_like(z))
+        return self._task[1], self._task[2]
+
+    def release(self) -> None:
+        self._task = None
+
+
+def attach_queries(holder: torch.Tensor, queries, key_weights) -> None:
+    """Give the bank on ``holder`` the static queries of its consumers, in the order they read (two-phase form).
+
+    Only when autograd records (training): without a backward, the per-sublayer logits cost the same."""
+    bank = SourceBank.of(holder)
+    if bank is None or bank.rinv is None or not torch.is_grad_enabled():
+        return
+    d, dev = holder.shape[-1], holder.device
+    for t in (*queries, *(w for w in key_weights if w is not None)):
+        if type(t.data) is not torch.Tensor or t.shape != (d,) or t.device != dev:  # e.g. sharded parameters
+            return
+    acc = bank.rinv.dtype
+    qg = torch.stack([q.to(acc) if w is None else q.to(acc) * w.to(acc) for q, w in zip(queries, key_weights)])
+    bank.two = TwoPhase(bank, queries, key_weights, qg)
+
+
+class _TwoPhaseAggregate(torch.autograd.Function):
+    """``_DepthAggregate`` with the slot logits precomputed by their writer (``TwoPhase``); saves the same tensors
+    (a checkpointed recomputation may take either path)."""
+
+    @staticmethod
+    def forward(ctx, query, key_weight, qg, eps, V, r, partial, bank, two, col, *sources):
+        K, d = V.shape[0], V.shape[-1]
+        acc = qg.dtype
+        fresh = bank.fresh
+        if two.z is not None and fresh < K:  # this call wrote slots fresh..K-1: their logits, once
+            two.write(fresh, K, col)
+        Va = V.reshape(K, -1, d)
+        Va = Va if Va.dtype == acc else Va.to(acc)
+        qc = two.qg_d[col]
+        z = two.z[col, :K] if two.z is not None else r.reshape(K, -1) * (Va.reshape(-1, d) @ qc).view(K, -1)
+        P = Pa = None
+        if partial is not None:
+            P = partial.reshape(-1, d)
+            Pa = P if P.dtype == acc else P.to(acc)
+            z = torch.cat((z, (_rinv(P, eps) * (Pa @ qc)).unsqueeze(0)))
+        p = torch.softmax(z, dim=0)
+        out = _weighted_sum(p, Va, Pa)
+        if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
+            two.z = None
+        ctx.two, ctx.col = two, col
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial), eps, sources, bank, fresh, out, p)
+
+    @staticmethod
+    def backward(ctx, dout, _dp):
+        _, _, V, r, partial = ctx.saved_tensors
+        bank, two, col, fresh = ctx.bank, ctx.two, ctx.col, ctx.fresh
+        K, d = V.shape[0], V.shape[-1]
+        acc = two.qg_d.dtype
+        Va = V.reshape(K, -1, d)
+        Va = Va if Va.dtype == acc else Va.to(acc)
+        Z, DZ = two.backward_buffers()
+        qc = two.qg_d[col]
+        z = Z[col, :K]
+        P = Pa = None
+        if partial is not None:
+            P = partial.reshape(-1, d)
+            Pa = P.to(acc)
+            rp = _rinv(P, ctx.eps)
+            zp = rp * (Pa @ qc)
+            z = torch.cat((z, zp.unsqueeze(0)))
+        p = torch.softmax(z, dim=0)
+        do = dout.reshape(-1, d).to(acc)
+        dp = torch.einsum("nd,knd->kn", do, Va)
+        if P is not None:
+            dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
+        dz = p * (dp - (p * dp).sum(0, keepdim=True))
+        DZ[col, :K] = dz[:K]
+        dV = bank.grad(acc)[:K].view(K, -1, d)
+        dV.addcmul_(p[:K].unsqueeze(-1), do)
+        dqg = None
+        dpartial = None
+        if P is not None:  # the running partial sum's own logit (read by this consumer only)
+            a, b = dz[K] * rp, -(dz[K] * zp * rp * rp) / d
+            dpartial = do * p[K].unsqueeze(-1)
+            dpartial.addcmul_(a.unsqueeze(-1), qc).addcmul_(b.unsqueeze(-1), Pa)
+            dpartial = dpartial.to(partial.dtype).view_as(partial)
+            dqg = torch.zeros_like(two.qg_d)
+            dqg[col] = a @ Pa
+        if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
+            rf = r.reshape(K, -1)[fresh:]
+            dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
+            A = dzs * rf  # d z / d v = r qg - (z r^2 / d) v
+            B = -(dzs * Z[col:, fresh:K]).sum(0) * rf * rf / d
+            A = A.reshape(A.shape[0], -1)
+            dV[fresh:].add_((A.t() @ two.qg_d[col:]).view(K - fresh, -1, d))
+            dV[fresh:].addcmul_(B.unsqueeze(-1), Va[fresh:])
+            if dqg is None:
+                dqg = torch.zeros_like(two.qg_d)
+            dqg[col:] += A @ Va[fresh:].reshape(-1, d)
+        dV = dV.view(V.shape)
+        grads = tuple(dV[i].to(V.dtype) if i >= fresh else None for i in range(ctx.n_sources))
+        if fresh == 0:
+            bank.release_grad()
+            two.release()
+        return (None, None, dqg, None, None, None, dpartial, None, None, None, *grads)
 
 
 class _DepthAggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key_weight, eps, V, r, partial, bank, *sources):
         K, d = V.shape[0], V.shape[-1]
-        lead = V.shape[1:-1]
         acc = _acc_dtype(V.dtype)
         qg = query.to(acc) if key_weight is None else query.to(acc) * key_weight.to(acc)
         Vf = V.reshape(K, -1, d)
         P = None if partial is None else partial.reshape(-1, d)
         rp = None if P is None else _rinv(P, eps)
         _, p, out = _agg_forward(qg, Vf, r.reshape(K, -1), P, rp)
-        ctx.save_for_backward(query, key_weight, V, r, partial)
-        ctx.eps, ctx.n_sources = eps, len(sources)
-        ctx.bank, ctx.fresh = bank, (None if bank is None else bank.fresh)
-        p = p.movedim(0, -1).reshape(*lead, -1)
-        ctx.mark_non_differentiable(p)
-        return out.to(V.dtype).view(*lead, d), p
+        fresh = None if bank is None else bank.fresh
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial), eps, sources, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
@@ -220,6 +393,13 @@ def depth_aggregate(query: torch.Tensor, key_weight: torch.Tensor | None, source
         bank = None
         V = torch.stack([s.detach() for s in fixed])
         r = _rinv(V, eps)
+    two = None if bank is None else bank.two
+    if two is not None and bank.rms_eps == eps and not dispatch.use_triton(V):
+        col = two.column(query, key_weight)
+        if col is not None:
+            return _TwoPhaseAggregate.apply(query, key_weight, two.qg, eps, V, r, partial, bank, two, col, *fixed)
+    if two is not None and bank.fresh < len(fixed):  # slots without logits: no later call may take the two-phase path
+        bank.two = None
     if dispatch.use_triton(V):
         return _triton_aggregate(query, key_weight, V, partial, eps, fixed)
     return _DepthAggregate.apply(query, key_weight, eps, V, r, partial, bank, *fixed)

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, _choice
-from .depth_ops import SourceBank, depth_aggregate
+from .depth_ops import SourceBank, attach_queries, depth_aggregate
 from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .norms import RMSNorm, make_norm, norm_param_count
@@ -223,9 +223,19 @@ class AttnResStream(ResidualStream):
         # most sources any aggregation reads (the final one reads them all)
         self.capacity = bank_capacity(config)
 
+    def bind(self, model: nn.Module) -> None:
+        """Know every aggregation of ``model`` in reading order (sublayers 1..2L-1, then the final one): their
+        static queries let each source's logits be computed once, when it is written (``depth_ops.TwoPhase``)."""
+        mixers = [c.aggregate for layer in model.layers for c in layer.connections() if c.aggregate is not None]
+        self._consumers = (*mixers, self.aggregate)  # a plain tuple: not submodules (no second registration)
+
     def init(self, embeds):
         # the sources of this forward are kept once, in a bank hung on the embedding (see depth_ops.SourceBank)
-        return (SourceBank.attach(embeds, self.capacity, self.aggregate.eps),)
+        h = SourceBank.attach(embeds, self.capacity, self.aggregate.eps)
+        consumers = getattr(self, "_consumers", ())
+        if consumers:
+            attach_queries(h, [m.query for m in consumers], [m.key_norm.gamma() for m in consumers])
+        return (h,)
 
     def collapse(self, state):
         return torch.stack(state).sum(0)
@@ -291,6 +301,10 @@ def attnres_extra_activation_bytes(config, batch: int, seq_len: int, compute_byt
 class AttnResModel(DepthModel):  # Full AttnRes decoder (no LM head)
     config_class = AttnResConfig
 
+    def __init__(self, config):
+        super().__init__(config)
+        self.stream.bind(self)
+
 
 class AttnResForCausalLM(DepthForCausalLM):  # Full AttnRes causal LM
     config_class, base_model_class = AttnResConfig, AttnResModel
@@ -298,6 +312,10 @@ class AttnResForCausalLM(DepthForCausalLM):  # Full AttnRes causal LM
 
 class BlockAttnResModel(DepthModel):  # Block AttnRes decoder (no LM head)
     config_class = BlockAttnResConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.stream.bind(self)
 
 
 class BlockAttnResForCausalLM(DepthForCausalLM):  # Block AttnRes causal LM
