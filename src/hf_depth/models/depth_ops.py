@@ -384,6 +384,26 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _register_flash_flops() -> None:
+    """``FlopCounterMode`` counts SDPA's CUDA kernels but not the CPU flash kernel: give it the same formulas
+    (GQA included), so the counter sees MoDA's sequence attention as it saw the explicit matmuls."""
+    from torch.utils import flop_counter as fc
+
+    if _FLASH in fc.flop_registry:
+        return
+
+    @fc.register_flop_formula(_FLASH)
+    def _forward_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(query, key, value)  # shapes
+
+    @fc.register_flop_formula(_FLASH_BWD)
+    def _backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+_register_flash_flops()
+
+
 def _depth_dot(x: torch.Tensor, bank: torch.Tensor, n_rep: int) -> torch.Tensor:
     """x [B, H, T, hd] . bank [D, B, Hkv, T, hd] per token -> [B, H, T, D]: one batched [n_rep, hd] @ [hd, D] per
     (token, kv head) reading the bank in place (no repeated copy for GQA, no [D, B, H, T, hd] temporary)."""
