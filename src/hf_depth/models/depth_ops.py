@@ -560,6 +560,128 @@ def _moda_depth_grads(ctx, dk, dv, dd, q, pd, do, n_rep) -> tuple:
     return grads
 
 
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _register_flash_flops() -> None:
+    """``FlopCounterMode`` counts SDPA's CUDA kernels but not the CPU flash kernel: give it the same formulas
+    (GQA included), so the counter sees MoDA's sequence attention as it saw the explicit matmuls."""
+    from torch.utils import flop_counter as fc
+
+    if _FLASH in fc.flop_registry:
+        return
+
+    @fc.register_flop_formula(_FLASH)
+    def _forward_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_flop_count(query, key, value)  # shapes
+
+    @fc.register_flop_formula(_FLASH_BWD)
+    def _backward_flops(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+_register_flash_flops()
+
+
+def _depth_dot(x: torch.Tensor, bank: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """x [B, H, T, hd] . bank [D, B, Hkv, T, hd] per token -> [B, H, T, D]: one batched [n_rep, hd] @ [hd, D] per
+    (token, kv head) reading the bank in place (no repeated copy for GQA, no [D, B, H, T, hd] temporary)."""
+    B, H, T, hd = x.shape
+    xg = x.view(B, H // n_rep, n_rep, T, hd).transpose(2, 3)
+    return (xg @ bank.permute(1, 2, 3, 4, 0)).transpose(2, 3).reshape(B, H, T, -1)
+
+
+def _depth_mix_gqa(w: torch.Tensor, bank: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """sum_s w[..., s] bank[s] for w [B, H, T, D], bank [D, B, Hkv, T, hd] -> [B, H, T, hd] (GQA: in place)."""
+    B, H, T, D = w.shape
+    wg = w.reshape(B, H // n_rep, n_rep, T, D).transpose(2, 3)
+    return (wg @ bank.permute(1, 2, 3, 0, 4)).transpose(2, 3).reshape(B, H, T, -1)
+
+
+def _flash_mask(mask, t: int, tk: int, acc: torch.dtype, low: float):
+    """(is_causal, additive mask or None) reproducing ``_masked_scores`` in the CPU flash kernel (masked -> ``low``,
+    so a masked probability is exactly 0 next to any live score)."""
+    if mask is None:
+        if t == tk or t == 1:
+            return t == tk, None
+        mask = torch.ones(t, tk, dtype=torch.bool).tril(tk - t).view(1, 1, t, tk)
+    if mask.dtype == torch.bool:
+        return False, torch.zeros(mask.shape, dtype=acc, device=mask.device).masked_fill_(~mask, low)
+    return False, mask.to(acc)
+
+
+def _flash_exact(query, mask, depth_mask, n_depth: int) -> bool:
+    """The flash path equals the reference unless some query row has no live score at all (a fully masked
+    sequence row and no live depth slot): the reference's softmax is then uniform and its ``masked_fill`` passes
+    no gradient, which the kernel cannot reproduce."""
+    if query.device.type != "cpu":
+        return False
+    if mask is None or (n_depth and (depth_mask is None or bool(depth_mask.any()))):
+        return True
+    live = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return bool(live.any(-1).all())
+
+
+class _MoDAFlash(torch.autograd.Function):
+    """``_MoDAAttention`` with the sequence part in the CPU flash kernel: its output and log-sum-exp are merged
+    with the explicit depth scores [B, H, T, D] by log-sum-exp (one softmax over [sequence | depth]); the backward
+    hands the kernel the *combined* output and log-sum-exp, so its P = exp(S - lse) and rowsum(dO O) are the joint
+    softmax's, and adds the depth part analytically. Saves q, k, v, the output (o_proj's input) and the lse."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth):
+        acc = _acc_dtype(query.dtype)
+        n_rep = query.shape[1] // key.shape[1]
+        low = torch.finfo(acc).min
+        q, k, v = query.to(acc), key.to(acc), value.to(acc)
+        causal, amask = _flash_mask(mask, q.shape[-2], k.shape[-2], acc, low)
+        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=amask, scale=scaling)
+        o = out.transpose(1, 2)  # [B, T, H, hd], contiguous
+        if dk is not None:
+            sd = _depth_dot(q, dk.to(acc), n_rep) * scaling
+            if depth_mask is not None:
+                sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
+            total = torch.logaddexp(lse, torch.logsumexp(sd, dim=-1))
+            o = o * torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
+            o = o + _depth_mix_gqa(torch.exp(sd - total.unsqueeze(-1)), dv.to(acc), n_rep).transpose(1, 2)
+            lse = total
+        ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv, o, lse)
+        ctx.scaling, ctx.n_depth = scaling, len(depth)
+        ctx.banks = banks
+        ctx.fresh = None if banks is None else (banks[0].fresh, banks[1].fresh)
+        return o.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, key, value, mask, depth_mask, dk, dv, o, lse = ctx.saved_tensors
+        acc = _acc_dtype(query.dtype)
+        n_rep = query.shape[1] // key.shape[1]
+        low = torch.finfo(acc).min
+        q, k, v = query.to(acc), key.to(acc), value.to(acc)
+        causal, amask = _flash_mask(mask, q.shape[-2], k.shape[-2], acc, low)
+        do_t = dout.to(acc)
+        do = do_t.transpose(1, 2)
+        dq, dkey, dvalue = _FLASH_BWD(do, q, k, v, o.transpose(1, 2), lse, 0.0, causal, attn_mask=amask,
+                                      scale=ctx.scaling)
+        grads = ()
+        if dk is not None:
+            dka, dva = dk.to(acc), dv.to(acc)
+            sd = _depth_dot(q, dka, n_rep) * ctx.scaling
+            if depth_mask is not None:
+                sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
+            pd = torch.exp(sd - lse.unsqueeze(-1))
+            rowsum = (do_t * o).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+            dd = pd * (_depth_dot(do, dva, n_rep) - rowsum) * ctx.scaling
+            if depth_mask is not None:
+                dd = dd.masked_fill(~depth_mask.to(torch.bool), 0.0)
+            dq = dq + _depth_mix_gqa(dd, dka, n_rep)
+            grads = _moda_depth_grads(ctx, dk, dv, dd.movedim(-1, 0).unsqueeze(-1), q,
+                                      pd.movedim(-1, 0).unsqueeze(-1), do, n_rep)
+        return (dq.to(query.dtype), dkey.to(key.dtype), dvalue.to(value.dtype), None, None, None, None, None, None,
+                *grads)
+
+
 def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_mask=None) -> torch.Tensor:
     """``functional.moda_attention`` with depth = (K_0, V_0, K_1, V_1, ...) read from their banks in place.
 
@@ -577,8 +699,9 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
             dk, dv = torch.stack([k.detach() for k in keys]), torch.stack([v.detach() for v in values])
         else:
             banks = (kb, vb)
+    fn = _MoDAFlash if _flash_exact(query, mask, depth_mask, len(depth)) else _MoDAAttention
     with torch.autocast(query.device.type, enabled=False):
-        return _MoDAAttention.apply(query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
+        return fn.apply(query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
 
 
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

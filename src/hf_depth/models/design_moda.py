@@ -169,17 +169,19 @@ def moda_depth_kv_bytes(config, seq_len: int, batch: int, bytes_per: int) -> int
 
 def moda_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
     """Beyond Pre-LN: the two depth banks of ``2L - 1`` slots (K, V; kept once per forward, read as views; none at
-    L = 1, where nothing reads them), no log-sum-exp (``moda_attention`` recomputes its softmax), and, under
+    L = 1, where nothing reads them; the flash path saves the output and log-sum-exp as SDPA does), and, under
     autocast, q and k saved in fp32 (RoPE's fp32 cos/sin promote them; MoDA's softmax runs with autocast off), the
-    rotated K bank in fp32, one more cast copy of the FFN input per ``kv_proj`` and its bf16 weight copy."""
+    fp32 attention output (o_proj saves its own bf16 copy), the rotated K bank in fp32, one more cast copy of the
+    FFN input per ``kv_proj`` and its bf16 weight copy."""
     L, d, H = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
     q, kv = H * config.head_dim, config.num_key_value_heads * config.head_dim
     c, N = compute_bytes, batch * seq_len
     k_bytes = STREAM_BYTES if config.moda_depth_rope == "rotated" else c
     banks = (2 * L - 1) * kv * (k_bytes + c) * N if L > 1 else 0
-    total = banks - L * H * 4 * N
+    total = banks
     if c != STREAM_BYTES:
         total += L * (q + kv) * (STREAM_BYTES - c) * N  # q, k in fp32 instead of SDPA's cast copies
+        total += L * q * 4 * N  # the fp32 output the flash backward reads
         total += (L - 1) * (d * c * N + c * d * 2 * kv)  # kv_proj: its input cast, its weight copy
     return total
 
