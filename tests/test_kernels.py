@@ -281,3 +281,11 @@ def test_model_kernels_equal_torch(design, monkeypatch):
     assert grads.keys() == ref_grads.keys()
     for k in grads:
         torch.testing.assert_close(grads[k], ref_grads[k], atol=2e-5, rtol=1e-3, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_every_dispatched_op_is_bound_under_its_own_name():
+    """``dispatch.py`` binds the ops by family in tuple assignments: each module attribute is the op of its name."""
+    bound = {a: v for a, v in vars(dispatch).items() if getattr(v, "__qualname__", "") == "op.<locals>.call"}
+    assert len(bound) == 13
+    for attr, fn in bound.items():
+        assert fn.__name__ == attr and fn.__doc__ == dispatch.REFERENCES[attr].__doc__

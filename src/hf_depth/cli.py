@@ -11,20 +11,22 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {
-    "shapes": ("hf_depth.shapes", "iso-parameter shape spectrum"),
-    "train": ("hf_depth.training.train", "pretrain a design from a recipe YAML (accelerate)"),
-    "launch-commands": ("hf_depth.training.launch", "per-node multi-process launch commands for a recipe"),
-    "sweep": ("hf_depth.training.sweep", "expand designs x shapes x learning rates into runs"),
-    "results": ("hf_depth.training.results", "collect finished runs into tables, plots and scaling fits"),
-    "export": ("hf_depth.hub", "write a Hub-ready folder (and model card) from a run; --push to upload"),
-    "eval": ("hf_depth.evaluation.cli", "lm-eval tasks (NLL and generative) on a model"),
-    "val-loss": ("hf_depth.evaluation.perplexity", "validation loss / perplexity on held-out text"),
-    "diagnose": ("hf_depth.diagnostics.cli", "depth diagnostics report (angular, causal, permutation, ...)"),
-    "upcycle": ("hf_depth.upcycling", "turn a Llama / Mistral / Qwen2 / Qwen3 model into a depth design (same weights)"),
-    "convert-olmo-core": ("hf_depth.olmo_core", "convert a DepthBench / OLMo-core checkpoint to hf_depth"),
-    "kernels": ("hf_depth.models.dispatch", "which implementation (Triton kernel or PyTorch reference) serves each op"),
-}
+#: subcommand, the module whose ``main(argv)`` runs it, and its one-line help
+_TABLE = """
+shapes             hf_depth.shapes                 iso-parameter shape spectrum
+train              hf_depth.training.train         pretrain a design from a recipe YAML (accelerate)
+launch-commands    hf_depth.training.launch        per-node multi-process launch commands for a recipe
+sweep              hf_depth.training.sweep         expand designs x shapes x learning rates into runs
+results            hf_depth.training.results       collect finished runs into tables, plots and scaling fits
+export             hf_depth.hub                    write a Hub-ready folder (and model card) from a run; --push to upload
+eval               hf_depth.evaluation.cli         lm-eval tasks (NLL and generative) on a model
+val-loss           hf_depth.evaluation.perplexity  validation loss / perplexity on held-out text
+diagnose           hf_depth.diagnostics.cli        depth diagnostics report (angular, causal, permutation, ...)
+upcycle            hf_depth.upcycling              turn a Llama / Mistral / Qwen2 / Qwen3 model into a depth design (same weights)
+convert-olmo-core  hf_depth.olmo_core              convert a DepthBench / OLMo-core checkpoint to hf_depth
+kernels            hf_depth.models.dispatch        which implementation (Triton kernel or PyTorch reference) serves each op
+"""
+COMMANDS = {name: (module, help_) for name, module, help_ in (row.split(None, 2) for row in _TABLE.strip().splitlines())}
 
 
 def usage() -> str:

@@ -103,6 +103,22 @@ def run_command(name: str, main, argv: list[str] | None = None) -> int:
         _debug_depth -= debug
 
 
+def command(name: str, body, doc: str):
+    """The ``main(argv)`` of subcommand ``hf-depth NAME``: ``body(argv)`` run behind :func:`run_command`;
+    ``doc`` says its exit statuses."""
+
+    def main(argv: list[str] | None = None) -> int:
+        return run_command(name, body, argv)
+
+    main.__doc__ = f"``hf-depth {name}``: {doc}"
+    return main
+
+
+def command_parser(name: str, module_doc: str, **kwargs) -> argparse.ArgumentParser:
+    """The argument parser of ``hf-depth NAME``, described by the first paragraph of its module's docstring."""
+    return argparse.ArgumentParser(prog=f"hf-depth {name}", description=module_doc.split("\n\n")[0], **kwargs)
+
+
 @contextlib.contextmanager
 def reading(path, what: str = "file", hint: str | None = None):
     """Turn any failure while reading the user's ``path`` into a :class:`UserError` naming it.

@@ -13,7 +13,6 @@ Diagnostics add their headline numbers with ``write_model_card(folder, run_dir, 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import string
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from .errors import command, command_parser
 from .utils import atomic_path
 
 LOCAL_BUILDERS = {"json", "parquet", "csv", "text", "arrow"}
@@ -273,15 +273,8 @@ def push(folder: str | Path, repo_id: str, private: bool = False) -> str:
     return str(getattr(info, "commit_url", info))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth export``: exit 0 done, 2 bad input (one line naming the file, see ``hf_depth.errors``)."""
-    from .errors import run_command
-
-    return run_command("export", _main, argv)
-
-
 def _main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hf-depth export", description=__doc__.split("\n\n")[0])
+    ap = command_parser("export", __doc__)
     ap.add_argument("run", help="a finished run folder (holds final/, summary.json, metrics.jsonl)")
     ap.add_argument("--out", help="export folder (default RUN/export)")
     ap.add_argument("--push", metavar="REPO", help="push the folder to this Hub repo (user/name)")
@@ -293,6 +286,8 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"pushed: {push(folder, a.push, a.private)}")
     return 0
 
+
+main = command("export", _main, "exit 0 done, 2 bad input (one line naming the file, see ``hf_depth.errors``).")
 
 if __name__ == "__main__":
     sys.exit(main())

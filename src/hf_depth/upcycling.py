@@ -27,7 +27,6 @@ and is ignored, with a note.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import re
@@ -42,6 +41,7 @@ import torch
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """Hub families ``upcycle`` reads (``model_type``), besides hf_depth's own Pre-LN."""
 
+from .errors import command, command_parser  # noqa: E402
 from .models.design_mhc import MHC_IDENTITY_BOUND  # noqa: E402,F401  (re-exported: the mHC identity bound)
 from .models.residual import UPCYCLE_EXACT_TOL as EXACT_TOL  # noqa: E402
 from .utils import parse_set_items  # noqa: E402
@@ -361,17 +361,10 @@ def write_upcycle_card(folder, model, data: dict) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth upcycle SRC OUT --design D [--set k=v ...]``; exit 0 written, 2 refused (one line)."""
-    from .errors import run_command
-
-    return run_command("upcycle", _main, argv)
-
-
 def _main(argv: list[str] | None = None) -> int:
     import hf_depth
 
-    ap = argparse.ArgumentParser(prog="hf-depth upcycle", description=__doc__.split("\n\n")[0])
+    ap = command_parser("upcycle", __doc__)
     ap.add_argument("src", help="a Llama / Mistral / Qwen2 / Qwen3 (or hf_depth pre_ln) save_pretrained folder")
     ap.add_argument("out", help="output folder")
     ap.add_argument("--design", required=True, help=f"one of {sorted(hf_depth.DESIGNS)}")
@@ -395,6 +388,8 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"[hf-depth] wrote {out} (upcycle.json, README.md)")
     return 0
 
+
+main = command("upcycle", _main, "exit 0 written, 2 refused (one line); usage: SRC OUT --design D [--set k=v ...]")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -223,10 +223,10 @@ class AttnResStream(ResidualStream):
         # most sources any aggregation reads (the final one reads them all)
         self.capacity = bank_capacity(config)
 
-    def bind(self, model: nn.Module) -> None:
-        """Know every aggregation of ``model`` in reading order (sublayers 1..2L-1, then the final one): their
+    def bind(self, layers: nn.ModuleList) -> None:
+        """Know every aggregation of the decoder in reading order (sublayers 1..2L-1, then the final one): their
         static queries let each source's logits be computed once, when it is written (``depth_ops.TwoPhase``)."""
-        mixers = [c.aggregate for layer in model.layers for c in layer.connections() if c.aggregate is not None]
+        mixers = [c.aggregate for layer in layers for c in layer.connections() if c.aggregate is not None]
         self._consumers = (*mixers, self.aggregate)  # a plain tuple: not submodules (no second registration)
 
     def init(self, embeds):
@@ -301,10 +301,6 @@ def attnres_extra_activation_bytes(config, batch: int, seq_len: int, compute_byt
 class AttnResModel(DepthModel):  # Full AttnRes decoder (no LM head)
     config_class = AttnResConfig
 
-    def __init__(self, config):
-        super().__init__(config)
-        self.stream.bind(self)
-
 
 class AttnResForCausalLM(DepthForCausalLM):  # Full AttnRes causal LM
     config_class, base_model_class = AttnResConfig, AttnResModel
@@ -312,10 +308,6 @@ class AttnResForCausalLM(DepthForCausalLM):  # Full AttnRes causal LM
 
 class BlockAttnResModel(DepthModel):  # Block AttnRes decoder (no LM head)
     config_class = BlockAttnResConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.stream.bind(self)
 
 
 class BlockAttnResForCausalLM(DepthForCausalLM):  # Block AttnRes causal LM

@@ -71,43 +71,45 @@ def _eps(name: str, value) -> None:
         raise ValueError(f"`{name}` must be a number in (0, 1), got {value!r}")
 
 
-class HCConfig(DepthConfig):
-    """Hyper-Connections decoder.
+def check_fields(config, ints=(), flags=(), non_negative=(), eps=(), choices=None) -> None:
+    """The field checks of a multi-stream config, by kind: positive ints, booleans, non-negative numbers, norm eps
+    in (0, 1), and ``choices`` ``{field: allowed}``."""
+    for check, names in ((_positive_int, ints), (_flag, flags), (_non_negative, non_negative), (_eps, eps)):
+        for name in names:
+            check(name, getattr(config, name))
+    for name, allowed in (choices or {}).items():
+        _choice(name, getattr(config, name), allowed)
 
-    Args:
-        hc_streams: number of residual streams n (4 in DepthBench and the paper).
-        hc_dynamic: dynamic HC (input-dependent tanh terms, DepthBench) or static HC (``False``).
-        hc_alpha_scale_init: init of the learnable width-gate scale s_a (0.01).
-        hc_beta_scale_init: init of the learnable depth-gate scale s_b (0.01).
-        hc_final_reduce: ``"sum_of_normed"`` (default, DepthBench: final norm per stream, then sum; logits are
-            n x Pre-LN's at init) or ``"mean_then_norm"`` (final norm of the stream mean; Pre-LN at init).
-        hc_scale_output_init: divide the init std of W_o and W_down by sqrt(n) (DepthBench default).
-        hc_norm_eps: eps of the unweighted per-stream RMS normalization feeding the dynamic weights (1e-8).
-        hc_stream_mixing: ``True`` (default, the paper): H' = A_r^T H + beta y. ``False``: H' = H + beta y,
-            the earlier DepthBench version (A_r unused), for converted checkpoints of that version.
-    """
+
+class HCConfig(DepthConfig):
+    """Hyper-Connections decoder. Each field is documented below it."""
 
     model_type = "hf_depth_hc"
     design = "hc"
 
     hc_streams: int = 4
+    """Number of residual streams n (4 in DepthBench and the paper)."""
     hc_dynamic: bool = True
+    """Dynamic HC (input-dependent tanh terms, DepthBench) or static HC (``False``)."""
     hc_alpha_scale_init: float = 0.01
+    """Init of the learnable width-gate scale s_a (0.01)."""
     hc_beta_scale_init: float = 0.01
+    """Init of the learnable depth-gate scale s_b (0.01)."""
     hc_final_reduce: str = "sum_of_normed"
+    """``"sum_of_normed"`` (default, DepthBench: final norm per stream, then sum; logits are n x Pre-LN's at init) or
+    ``"mean_then_norm"`` (final norm of the stream mean; Pre-LN at init)."""
     hc_scale_output_init: bool = True
+    """Divide the init std of W_o and W_down by sqrt(n) (DepthBench default)."""
     hc_norm_eps: float = 1e-8
+    """Eps of the unweighted per-stream RMS normalization feeding the dynamic weights (1e-8)."""
     hc_stream_mixing: bool = True
+    """``True`` (default, the paper): H' = A_r^T H + beta y. ``False``: H' = H + beta y, the earlier DepthBench version
+    (A_r unused), for converted checkpoints of that version."""
 
     def validate_design(self):
-        _positive_int("hc_streams", self.hc_streams)
-        _flag("hc_dynamic", self.hc_dynamic)
-        _non_negative("hc_alpha_scale_init", self.hc_alpha_scale_init)
-        _non_negative("hc_beta_scale_init", self.hc_beta_scale_init)
-        _choice("hc_final_reduce", self.hc_final_reduce, FINAL_REDUCES)
-        _flag("hc_scale_output_init", self.hc_scale_output_init)
-        _eps("hc_norm_eps", self.hc_norm_eps)
-        _flag("hc_stream_mixing", self.hc_stream_mixing)
+        check_fields(self, ints=["hc_streams"], flags=["hc_dynamic", "hc_scale_output_init", "hc_stream_mixing"],
+                     non_negative=["hc_alpha_scale_init", "hc_beta_scale_init"], eps=["hc_norm_eps"],
+                     choices={"hc_final_reduce": FINAL_REDUCES})
 
     # the names MultiStream / output_init_scale read (shared with mHC)
     num_streams = field_alias("hc_streams")

@@ -38,15 +38,14 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
+from .configuration_depth import DepthConfig, field_alias
 from .depth_ops import _sum_to
 from .design_hc import (
     FINAL_REDUCES,
     MULTI_STREAM,
     MULTI_STREAM_OLMO,
     MultiStreamConnection,
-    _eps,
-    _flag,
+    check_fields,
     multi_stream_flops,
     normalized_projection_backward,
     olmo_connections,
@@ -64,55 +63,45 @@ MHC_SINKHORN_ORDERS = ("rows_first", "columns_first")
 
 
 class MHCConfig(DepthConfig):
-    """mHC decoder.
-
-    Args:
-        mhc_streams: number of residual streams n (4).
-        mhc_sinkhorn_iters: Sinkhorn-Knopp iterations t_max (20).
-        mhc_init: ``"uniform"`` (default; zero biases, phi ~ N(0, ``mhc_phi_init_std``^2): what DepthBench's
-            400M runs used, Liger backend) or ``"identity"`` (phi = 0, +-``mhc_identity_logit`` biases: H_pre
-            one-hot at s mod n, H_res ~ I; DepthBench's torch backend).
-        mhc_gate_init: init of the three gates a_pre, a_post, a_res (0.01).
-        mhc_phi_init_std: std of phi under ``"uniform"`` init (0.02).
-        mhc_identity_logit: magnitude of the biases of the ``"identity"`` init (8).
-        mhc_final_reduce: ``"mean_then_norm"`` (default, DepthBench liger_mhc) or ``"sum_of_normed"``.
-        mhc_scale_output_init: divide the init std of W_o and W_down by sqrt(n) (DepthBench default).
-        mhc_norm_eps: eps of the RMS r of the flattened streams (1e-6, DepthBench liger_rms_eps).
-        mhc_dynamic_tanh: ``False`` (default, the paper and Liger): gate * projection + bias. ``True``: gate *
-            tanh(projection) + bias, DepthBench's pure-torch ``mhc`` backend (converted checkpoints).
-        mhc_sinkhorn_order: ``"rows_first"`` (default: each iteration normalizes rows, then columns) or
-            ``"columns_first"``. DepthBench's torch backends apply R[s, t] from the right; hf_depth stores R^T, and
-            the transpose of a rows-first Sinkhorn is a columns-first one: set for converted ``mhc`` /
-            ``mhc_static`` checkpoints, it makes H_res equal DepthBench's exactly, 20-iteration residual included.
-    """
+    """mHC decoder. Each field is documented below it."""
 
     model_type = "hf_depth_mhc"
     design = "mhc"
 
     mhc_streams: int = 4
+    """Number of residual streams n (4)."""
     mhc_sinkhorn_iters: int = 20
+    """Sinkhorn-Knopp iterations t_max (20)."""
     mhc_init: str = "uniform"
+    """``"uniform"`` (default; zero biases, phi ~ N(0, ``mhc_phi_init_std``^2): what DepthBench's 400M runs used, Liger
+    backend) or ``"identity"`` (phi = 0, +-``mhc_identity_logit`` biases: H_pre one-hot at s mod n, H_res ~ I;
+    DepthBench's torch backend)."""
     mhc_gate_init: float = 0.01
+    """Init of the three gates a_pre, a_post, a_res (0.01)."""
     mhc_phi_init_std: float = 0.02
+    """Std of phi under ``"uniform"`` init (0.02)."""
     mhc_identity_logit: float = 8.0
+    """Magnitude of the biases of the ``"identity"`` init (8)."""
     mhc_final_reduce: str = "mean_then_norm"
+    """``"mean_then_norm"`` (default, DepthBench liger_mhc) or ``"sum_of_normed"``."""
     mhc_scale_output_init: bool = True
+    """Divide the init std of W_o and W_down by sqrt(n) (DepthBench default)."""
     mhc_norm_eps: float = 1e-6
+    """Eps of the RMS r of the flattened streams (1e-6, DepthBench liger_rms_eps)."""
     mhc_dynamic_tanh: bool = False
+    """``False`` (default, the paper and Liger): gate * projection + bias. ``True``: gate * tanh(projection) + bias,
+    DepthBench's pure-torch ``mhc`` backend (converted checkpoints)."""
     mhc_sinkhorn_order: str = "rows_first"
+    """``"rows_first"`` (default: each iteration normalizes rows, then columns) or ``"columns_first"``. DepthBench's
+    torch backends apply R[s, t] from the right; hf_depth stores R^T, and the transpose of a rows-first Sinkhorn is
+    a columns-first one: set for converted ``mhc`` / ``mhc_static`` checkpoints, it makes H_res equal DepthBench's
+    exactly, 20-iteration residual included."""
 
     def validate_design(self):
-        _positive_int("mhc_streams", self.mhc_streams)
-        _positive_int("mhc_sinkhorn_iters", self.mhc_sinkhorn_iters)
-        _choice("mhc_init", self.mhc_init, MHC_INITS)
-        _non_negative("mhc_gate_init", self.mhc_gate_init)
-        _non_negative("mhc_phi_init_std", self.mhc_phi_init_std)
-        _non_negative("mhc_identity_logit", self.mhc_identity_logit)
-        _choice("mhc_final_reduce", self.mhc_final_reduce, FINAL_REDUCES)
-        _flag("mhc_scale_output_init", self.mhc_scale_output_init)
-        _eps("mhc_norm_eps", self.mhc_norm_eps)
-        _flag("mhc_dynamic_tanh", self.mhc_dynamic_tanh)
-        _choice("mhc_sinkhorn_order", self.mhc_sinkhorn_order, MHC_SINKHORN_ORDERS)
+        check_fields(self, ints=["mhc_streams", "mhc_sinkhorn_iters"], flags=["mhc_scale_output_init", "mhc_dynamic_tanh"],
+                     non_negative=["mhc_gate_init", "mhc_phi_init_std", "mhc_identity_logit"], eps=["mhc_norm_eps"],
+                     choices={"mhc_init": MHC_INITS, "mhc_final_reduce": FINAL_REDUCES,
+                              "mhc_sinkhorn_order": MHC_SINKHORN_ORDERS})
 
     num_streams = field_alias("mhc_streams")
     final_reduce = field_alias("mhc_final_reduce")

@@ -21,7 +21,7 @@ class SandwichLNConfig(DepthConfig):
 
 
 class SandwichConnection(SublayerConnection):
-    def __init__(self, config, sublayer_idx):
+    def __init__(self, config: SandwichLNConfig, sublayer_idx: int):
         super().__init__(config, sublayer_idx)
         self.output_norm = make_norm(config, role="output")
 

@@ -299,6 +299,7 @@ class DepthModel(DepthPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.stream = design.stream(config)
         self.layers = nn.ModuleList(DepthDecoderLayer(config, i, design) for i in range(config.num_hidden_layers))
+        self.stream.bind(self.layers)
         # the final norm feeds the LM head: an Input-Norm (a design may pick its kind: DepthBench's DeepNorm keeps RMS)
         self.norm = make_norm(config, role="input", kind=getattr(config, "final_norm_kind", None), final=True)
         self.rotary_emb = DepthRotaryEmbedding(config)
@@ -427,19 +428,11 @@ class DepthForCausalLM(DepthPreTrainedModel, GenerationMixin):
         return self.model
 
     def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        cache: Cache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        use_cache: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        logits_to_keep: int | torch.Tensor = 0,
-        past_key_values: Cache | None = None,
-        **kwargs,
+        self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None, output_hidden_states: bool | None = None, return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0, past_key_values: Cache | None = None, **kwargs,
     ):
         kwargs.pop("output_attentions", None)
         outputs = self.model(

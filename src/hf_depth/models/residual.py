@@ -104,6 +104,9 @@ class ResidualStream(nn.Module):
     def __init__(self, config):
         super().__init__()
 
+    def bind(self, layers: nn.ModuleList) -> None:
+        """Called once, when the decoder's layers exist (AttnRes learns its aggregations' static queries)."""
+
     def init(self, embeds: torch.Tensor):
         return embeds
 

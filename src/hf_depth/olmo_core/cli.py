@@ -8,18 +8,12 @@ import sys
 
 import torch
 
+from ..errors import command
 from ..models.registry import DESIGNS
 from ..utils import parse_set_items
 from .checkpoints import load_state_dict, save_converted
 from .infer import _design_name, _fields_of, _olmo_json_fields, all_backends, block_types, refuse_to_guess
 from .mapping import olmo_core_to_hf_depth
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth convert-olmo-core``: exit 0 converted, 2 bad input (one line, see ``hf_depth.errors``)."""
-    from ..errors import run_command
-
-    return run_command("convert-olmo-core", _main, argv)
 
 
 def _check_set_fields(design: str, fields: dict) -> None:
@@ -100,6 +94,8 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"converted {len(sd)} tensors ({n:,} parameters) -> {type(model).__name__} in {a.out}")
     return 0
 
+
+main = command("convert-olmo-core", _main, "exit 0 converted, 2 bad input (one line, see ``hf_depth.errors``).")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,11 +12,11 @@ node whose address is ``--main-ip`` has rank 0 and writes the run folder (put it
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import command, command_parser
 from .recipe import load_recipe
 
 
@@ -86,17 +86,10 @@ def plan_launch(recipe_path: str, accelerate_config: str, nodes: int | None = No
     return LaunchPlan(nodes, gpus_per_node, grad_accum, batch, batch * recipe.data.seq_len, acc, tr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth launch-commands``: exit 0, or 2 on bad input (one line on stderr, see ``hf_depth.errors``)."""
-    from ..errors import run_command
-
-    return run_command("launch-commands", _main, argv)
-
-
 def _main(argv: list[str] | None = None) -> int:
     from ..errors import arg_number
 
-    ap = argparse.ArgumentParser(prog="hf-depth launch-commands", description=__doc__.split("\n\n")[0])
+    ap = command_parser("launch-commands", __doc__)
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--accelerate-config", default="recipes/accelerate/multinode.yaml")
@@ -113,3 +106,6 @@ def _main(argv: list[str] | None = None) -> int:
     for rank, (acc, tr) in enumerate(zip(plan.accelerate, plan.torchrun)):
         print(f"# node {rank}:\n{acc}\n#   or: {tr}")
     return 0
+
+
+main = command("launch-commands", _main, "exit 0, or 2 on bad input (one line on stderr, see ``hf_depth.errors``).")

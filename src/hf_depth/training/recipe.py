@@ -79,13 +79,13 @@ class OptimRecipe:
     weight_decay: float = 0.1
     policy: Literal["depthbench", "iwd", "no_norm_decay", "output_norm_only"] = "depthbench"
     optimizer: Literal["adamw", "muon"] = "adamw"
-    schedule: Literal["cosine", "wsd"] = "cosine"
-    decay_frac: float = 0.2
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
+    schedule: Literal["cosine", "wsd"] = "cosine"
     warmup_frac: float = 0.1
+    decay_frac: float = 0.2
     final_lr_frac: float = 0.1
     #: with ``model.init_from``: learning-rate multiplier of the newly initialized parameters only (the design's
     #: own, absent from the folder or listed new in its ``upcycle.json``)
@@ -104,6 +104,8 @@ class TrainRecipe:
     max_tokens: int | None = None
     max_steps: int | None = None
     micro_batch_size: int = 8
+    """Sequences per process per micro-step; the global batch is ``micro_batch_size x grad_accum x processes``
+    (``hf-depth launch-commands`` prints it for a cluster)."""
     grad_accum: int = 1
     seed: int = 42
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"

@@ -17,7 +17,6 @@ softmax, MoDA depth attention, ...). Not 6 N D: attention and design FLOPs grow 
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -25,6 +24,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from ..errors import command, command_parser
 
 PFLOPS_DAY = 1e15 * 86400
 
@@ -182,17 +183,10 @@ def compute_efficiency(compute_fit_a: dict, compute_fit_b: dict, loss: float, pa
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth results``: exit 0 done, 2 bad input (one line naming the file, see ``hf_depth.errors``)."""
-    from ..errors import run_command
-
-    return run_command("results", _main, argv)
-
-
 def _main(argv: list[str] | None = None) -> int:
     from ..errors import UserError, arg_number
 
-    ap = argparse.ArgumentParser(prog="hf-depth results", description=__doc__.split("\n\n")[0])
+    ap = command_parser("results", __doc__)
     ap.add_argument("root", help="folder holding run folders (searched recursively for summary.json)")
     ap.add_argument("--out", help="output folder (default ROOT/results)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compute-efficiency of design B over A")
@@ -248,6 +242,8 @@ def _main(argv: list[str] | None = None) -> int:
     (out / "scaling.json").write_text(json.dumps(report, indent=1))
     return 0
 
+
+main = command("results", _main, "exit 0 done, 2 bad input (one line naming the file, see ``hf_depth.errors``).")
 
 if __name__ == "__main__":
     sys.exit(main())

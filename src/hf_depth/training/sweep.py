@@ -13,7 +13,6 @@ so re-running a sweep resumes it. Collect with ``hf-depth results OUT``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
@@ -21,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import command, command_parser
 from ..models.residual import DEPTHBENCH_LRS as DEFAULT_LRS  # noqa: F401  (the grid every design starts from)
 
 
@@ -142,17 +142,10 @@ def launch_command(recipe: str, run: SweepRun, overrides: list[str], launcher: s
                      *(shlex.quote(o) for o in overrides + run.overrides())])
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth sweep``: exit 0 done, 2 bad input (one line naming the file or field, see ``hf_depth.errors``)."""
-    from ..errors import run_command
-
-    return run_command("sweep", _main, argv)
-
-
 def _main(argv: list[str] | None = None) -> int:
     from ..errors import UserError, arg_number, read_json, read_yaml
 
-    ap = argparse.ArgumentParser(prog="hf-depth sweep", description=__doc__.split("\n\n")[0])
+    ap = command_parser("sweep", __doc__)
     ap.add_argument("recipe", help="a training recipe YAML, or a sweep YAML (with a `recipe:` field)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     ap.add_argument("--designs", nargs="+")
@@ -215,6 +208,9 @@ def _main(argv: list[str] | None = None) -> int:
     print(json.dumps(status, indent=1))
     return 0
 
+
+main = command(
+    "sweep", _main, "exit 0 done, 2 bad input (one line naming the file or field, see ``hf_depth.errors``).")
 
 if __name__ == "__main__":
     sys.exit(main())

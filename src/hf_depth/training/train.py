@@ -20,7 +20,6 @@ refuses a checkpoint whose RNG state cannot be restored unless ``--resume-ignore
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError, reading, run_command
+from ..errors import UserError, command, command_parser, reading
 from ..utils import flatten_dict, replace_path, temporary_sibling
 from . import distributed
 from .data import TokenStream, load_tokenizer, validation_set
@@ -560,13 +559,8 @@ def _flat(d: dict) -> dict:
     return flatten_dict(d, lambda v: v if isinstance(v, (int, float, str, bool)) else str(v))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``hf-depth train``: exit 0 finished, 1 diverged, 2 bad input (one line, see ``hf_depth.errors``)."""
-    return run_command("train", _main, argv)
-
-
 def _main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hf-depth train", description=__doc__.split("\n\n")[0])
+    ap = command_parser("train", __doc__)
     ap.add_argument("recipe", help="recipe YAML (see recipes/train/)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.hidden_size=256 optim.lr=1e-3")
     ap.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
@@ -588,6 +582,8 @@ def _main(argv: list[str] | None = None) -> int:
                                                    "tokens_per_s")}))
     return 0
 
+
+main = command("train", _main, "exit 0 finished, 1 diverged, 2 bad input (one line, see ``hf_depth.errors``).")
 
 if __name__ == "__main__":
     sys.exit(main())
