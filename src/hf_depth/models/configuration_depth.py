@@ -159,6 +159,26 @@ def _choice(name: str, value, allowed) -> None:
         raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}")
 
 
+def _flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
+
+
+def _eps(name: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
+        raise ValueError(f"`{name}` must be a number in (0, 1), got {value!r}")
+
+
+def check_fields(config, ints=(), flags=(), non_negative=(), eps=(), choices=None) -> None:
+    """A config's field checks, by kind: positive ints, booleans, non-negative numbers, norm eps
+    in (0, 1), and ``choices`` ``{field: allowed}``."""
+    for check, names in ((_positive_int, ints), (_flag, flags), (_non_negative, non_negative), (_eps, eps)):
+        for name in names:
+            check(name, getattr(config, name))
+    for name, allowed in (choices or {}).items():
+        _choice(name, getattr(config, name), allowed)
+
+
 def parse_scale_vector(value: str) -> tuple[str, ...]:
     """Split ``"HG+DNP+OR"`` into its components and check them (raises ValueError naming the field)."""
     if not isinstance(value, str) or not value:

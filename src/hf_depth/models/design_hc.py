@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice, _non_negative, _positive_int, field_alias
+from .configuration_depth import DepthConfig, check_fields, field_alias
 from .depth_ops import SEGMENT, _sum_to, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .functional import _acc
@@ -59,26 +59,6 @@ from .residual import (
 FINAL_REDUCES = ("sum_of_normed", "mean_then_norm")
 ROUTING_ROLES = ("routing_static", "routing_dynamic", "routing_scale")
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj")
-
-
-def _flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}")
-
-
-def _eps(name: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
-        raise ValueError(f"`{name}` must be a number in (0, 1), got {value!r}")
-
-
-def check_fields(config, ints=(), flags=(), non_negative=(), eps=(), choices=None) -> None:
-    """The field checks of a multi-stream config, by kind: positive ints, booleans, non-negative numbers, norm eps
-    in (0, 1), and ``choices`` ``{field: allowed}``."""
-    for check, names in ((_positive_int, ints), (_flag, flags), (_non_negative, non_negative), (_eps, eps)):
-        for name in names:
-            check(name, getattr(config, name))
-    for name, allowed in (choices or {}).items():
-        _choice(name, getattr(config, name), allowed)
 
 
 class HCConfig(DepthConfig):

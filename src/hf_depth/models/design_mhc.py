@@ -38,14 +38,13 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, field_alias
+from .configuration_depth import DepthConfig, check_fields, field_alias
 from .depth_ops import _sum_to
 from .design_hc import (
     FINAL_REDUCES,
     MULTI_STREAM,
     MULTI_STREAM_OLMO,
     MultiStreamConnection,
-    check_fields,
     multi_stream_flops,
     normalized_projection_backward,
     olmo_connections,
