@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from .configuration_depth import DepthConfig, _choice
+from .configuration_depth import DepthConfig, _choice, check_fields
 from .depth_ops import SourceBank, attach_queries, depth_aggregate
 from .dispatch import rms_norm
 from .modeling_depth import DepthForCausalLM, DepthModel
@@ -113,10 +113,7 @@ class BlockAttnResConfig(AttnResConfig):
         v = self.attnres_block_size
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
             raise ValueError(f"`attnres_block_size` must be None (from the schedule) or a positive integer, got {v!r}")
-        for name in ("attnres_num_blocks", "attnres_reference_depth"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ValueError(f"`{name}` must be a positive integer, got {v!r}")
+        check_fields(self, ints=["attnres_num_blocks", "attnres_reference_depth"])
         _choice("attnres_schedule", self.attnres_schedule, ATTNRES_SCHEDULES)
 
     @property
