@@ -40,6 +40,11 @@ def test_unknown_design_lists_allowed():
         ("deepnorm", dict(deepnorm_norm="batch"), "deepnorm_norm"),
         ("deepnorm", dict(deepnorm_alpha=-1.0), "deepnorm_alpha"),
         ("keel", dict(keel_alpha=0), "keel_alpha"),
+        ("block_attnres", dict(attnres_num_blocks=0), "attnres_num_blocks"),
+        ("block_attnres", dict(attnres_reference_depth=2.5), "attnres_reference_depth"),
+        ("hc", dict(hc_norm_eps=1.0), "hc_norm_eps"),
+        ("mhc", dict(mhc_dynamic_tanh="yes"), "mhc_dynamic_tanh"),
+        ("mhc", dict(mhc_sinkhorn_order="diagonal"), "mhc_sinkhorn_order"),
     ],
 )
 def test_design_fields_validated(design, kwargs, field):
