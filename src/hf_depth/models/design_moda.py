@@ -34,7 +34,7 @@ from torch import nn
 
 from .configuration_depth import DepthConfig, _choice
 from .depth_ops import attach_moda_banks, moda_attention
-from .modeling_depth import DepthForCausalLM, DepthModel, apply_rotary_pos_emb
+from .modeling_depth import DepthForCausalLM, DepthModel, rotate
 from .olmo_rules import OlmoRules, one, pre_norms
 from .residual import STREAM_BYTES, AttentionCarry, Design, ResidualStream, SublayerConnection, register
 
@@ -97,7 +97,7 @@ class DepthKV(AttentionCarry):
         depth = self.depth
         if depth and self.rotate:  # the preceding FFN's key: rotated at the token's own position (distance 0)
             cos, sin = position_embeddings
-            depth = self.depth = (*depth[:-2], apply_rotary_pos_emb(depth[-2], depth[-2], cos, sin)[0], depth[-1])
+            depth = self.depth = (*depth[:-2], rotate(depth[-2], cos, sin), depth[-1])
         mask = torch.zeros(len(depth) // 2, dtype=torch.bool, device=q.device) if self.mask_depth else None
         # saved for backward: q, k, v and the depth banks (one storage each per forward), never a stacked copy
         return moda_attention(q, k, v, depth, attention_mask, module.scaling, mask)

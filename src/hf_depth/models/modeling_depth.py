@@ -70,9 +70,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of one [B, H, T, hd] tensor (``cos``/``sin`` are [B, T, hd])."""
+    return (x * cos.unsqueeze(1)) + (rotate_half(x) * sin.unsqueeze(1))
+
+
 def apply_rotary_pos_emb(q, k, cos, sin):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    return rotate(q, cos, sin), rotate(k, cos, sin)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
