@@ -158,8 +158,9 @@ class MHCConnection(MultiStreamConnection):
 
     def _gates(self, proj: torch.Tensor, keep: list | None = None):
         """(pre, post, res, t) from the normalized projection ``proj`` = (vec(H) phi) / r, [..., n^2 + 2n], with
-        the ops of ``functional.mhc_gates`` (the forward stays bit-identical). ``keep`` (a list, in backward):
-        Sinkhorn by ``sinkhorn_iterates`` instead, collecting its iterates for ``sinkhorn_backward``."""
+        the ops of ``functional.mhc_gates`` except the Sinkhorn: ``sinkhorn_iterates`` (float64, two ops per
+        half-step instead of the log-domain form's seven; equal to ``functional.sinkhorn`` to its fp32 rounding).
+        ``keep`` (a list, in backward) collects its iterates for ``sinkhorn_backward``."""
         n, a, b = self.n, _acc(self.alpha_scale), _acc(self.static_bias)
         t = torch.tanh(proj) if self.tanh else proj
         pre = torch.sigmoid(a[0] * t[..., :n] + b[:n])
@@ -167,11 +168,11 @@ class MHCConnection(MultiStreamConnection):
         logits = (a[2] * t[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
         if self.columns_first:
             logits = logits.transpose(-1, -2)
-        res = sinkhorn(logits, self.iters) if keep is None else sinkhorn_iterates(logits, self.iters, keep)
+        res = sinkhorn_iterates(logits, self.iters, keep)
         return pre, post, (res.transpose(-1, -2) if self.columns_first else res), t
 
     def routing_saved(self, H):
-        # the reference's ops (functional.mhc_coefficients), kept: the forward stays bit-identical
+        # the reference's ops (functional.mhc_coefficients) but for the float64 Sinkhorn (see ``_gates``)
         x = _acc(H.flatten(-2))
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         proj = (x @ _acc(self.dynamic_phi)) * r
