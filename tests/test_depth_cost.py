@@ -213,12 +213,11 @@ def test_stream_backward_never_reruns_the_routing_forward(design, monkeypatch):
 
 
 def test_write_streams_is_the_broadcast_product():
-    """``functional.write_streams`` (one batched product per token) gives mixed + w y of the broadcast form, for
+    """``functional.write_streams`` (one addcmul) gives mixed + w y of the broadcast form, for
     per-token and static weights and a non-contiguous ``mixed`` (the rows of the width product)."""
     g = torch.Generator().manual_seed(0)
-    full = torch.randn(2, 64, 5, 256, generator=g)  # above functional._ONE_PASS_MIN: the batched product
+    full = torch.randn(2, 64, 5, 256, generator=g)
     mixed, y = full[..., 1:, :], torch.randn(2, 64, 256, generator=g)
-    assert mixed.numel() >= functional._ONE_PASS_MIN
     for w in (torch.randn(2, 64, 4, generator=g), torch.randn(4, generator=g)):
         ref = mixed + w.unsqueeze(-1) * y.unsqueeze(-2)
         torch.testing.assert_close(functional.write_streams(mixed, w, y), ref, rtol=0, atol=1e-6)
@@ -309,3 +308,17 @@ def test_two_phase_falls_back_for_another_query(monkeypatch):
     assert_equal_fp32(logits, ref_logits)
     for n in ref:
         assert_equal_fp32(grads[n], ref[n], n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 64])  # below / above functional._ONE_PASS_MIN (the batched product / slots)
+def test_mix_streams_is_the_batched_product(dtype, tokens):
+    """``functional.mix_streams`` (HC / mHC's read and mix) is M @ H per token, also for a transposed M."""
+    g = torch.Generator().manual_seed(0)
+    H = torch.randn(2, tokens, 4, 256, generator=g).to(dtype)
+    for M in (torch.randn(2, tokens, 5, 4, generator=g), torch.randn(2, tokens, 4, 5, generator=g).transpose(-1, -2)):
+        ref = (M.to(dtype).double() @ H.double()).to(dtype)  # M in the streams' dtype, as mixed
+        got = functional.mix_streams(M, H)
+        assert got.dtype == dtype and got.shape == ref.shape
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)

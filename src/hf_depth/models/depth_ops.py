@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype, _masked_scores
+from .functional import _acc_dtype, _masked_scores, mix_streams
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -780,13 +780,10 @@ class _Segment:
             self.local[j] = (H, saved, M, state)
             if j < s:
                 w, y = self._write_saved(j)
-                H = conn.depth(_mix(M, H)[..., 1:, :], w, y)
+                H = conn.depth(mix_streams(M, H)[..., 1:, :], w, y)
         return self.local.pop(s)
 
 
-def _mix(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """[x; mixed] = M H: one batched [n+1, n] @ [n, d] product per token, in the streams' dtype."""
-    return M.to(H.dtype) @ H
 
 
 class _Route(torch.autograd.Function):
@@ -804,7 +801,7 @@ class _Route(torch.autograd.Function):
         with torch.autocast(device_type=H.device.type, enabled=False):
             if ctx.by_hand:
                 M, w, seen, saved = conn.routing_saved(H)
-                full = _mix(M, H)
+                full = mix_streams(M, H)
                 x, mixed = full[..., 0, :].contiguous(), full[..., 1:, :]
                 ctx.save_for_backward(*((H,) if start else ()), *saved)
             else:
@@ -824,7 +821,7 @@ class _Route(torch.autograd.Function):
         dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
         dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
         dfull = torch.cat((dx.unsqueeze(-2), dmixed), dim=-2)  # [..., n+1, d]
-        dM = _sum_to((H @ dfull.transpose(-1, -2)).transpose(-1, -2), M).to(M.dtype)  # the faster layout on CPU
+        dM = _sum_to(dfull @ H.transpose(-1, -2), M).to(M.dtype)
         if dw is None:
             dw = torch.zeros(H.shape[:-1], dtype=M.dtype, device=H.device)
         dH_routing, grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype))

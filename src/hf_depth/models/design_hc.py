@@ -328,13 +328,13 @@ class HCConnection(MultiStreamConnection):
             A, beta = self.coefficients(H)
             A = self._unmixed(A)
             return A.transpose(-1, -2), beta, self._seen_of(A, beta), ()
-        # the reference's ops (functional.hc_coefficients), but the two projections as one thin product
-        # [n + 2, d] @ [d, tokens n] (on CPU several times faster than [tokens n, d] @ [d, n + 2]): the
-        # reference's values to fp32 rounding
+        # functional.hc_coefficients to fp32 rounding, with two passes over the streams: 1 / rms by one norm (no
+        # squared copy), then the two projections as one product of the raw streams, P = (H [W_a | w_b]) / rms
+        # (no normalized copy; [tokens n, d] @ [d, n + 2] with the weight read transposed, the fast layout)
         Hf = _acc(H)
-        r = torch.rsqrt(Hf.pow(2).mean(-1, keepdim=True) + self.eps)
-        Hn = Hf * r
-        P = (self._projection() @ Hn.reshape(-1, Hn.shape[-1]).T).T.view(*Hn.shape[:-1], -1)
+        d = Hf.shape[-1]
+        r = torch.rsqrt(torch.linalg.vector_norm(Hf, dim=-1, keepdim=True).square_().div_(d).add_(self.eps))
+        P = (Hf.reshape(-1, d) @ self._projection().T).view(*Hf.shape[:-1], -1).mul_(r)
         A, beta, _ = self._gates(P)
         A = self._unmixed(A)
         return A.transpose(-1, -2), beta, self._seen_of(A, beta), (r, P)
