@@ -313,7 +313,8 @@ def test_two_phase_falls_back_for_another_query(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [3, 64])  # below / above functional._ONE_PASS_MIN (the batched product / slots)
 def test_mix_streams_is_the_batched_product(dtype, tokens):
-    """``functional.mix_streams`` (HC / mHC's read and mix) is M @ H per token, also for a transposed M."""
+    """``functional.mix_streams`` (HC / mHC's read and mix) is M @ H per token, also for a transposed M, and adds
+    into ``out`` in place."""
     g = torch.Generator().manual_seed(0)
     H = torch.randn(2, tokens, 4, 256, generator=g).to(dtype)
     for M in (torch.randn(2, tokens, 5, 4, generator=g), torch.randn(2, tokens, 4, 5, generator=g).transpose(-1, -2)):
@@ -322,3 +323,7 @@ def test_mix_streams_is_the_batched_product(dtype, tokens):
         assert got.dtype == dtype and got.shape == ref.shape
         tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+        base = torch.randn(ref.shape, generator=g).to(dtype)
+        into = base.clone()
+        assert functional.mix_streams(M, H, out=into) is into  # accumulated in place
+        torch.testing.assert_close(into, (base.double() + ref.double()).to(dtype), rtol=tol, atol=2 * tol)

@@ -780,7 +780,7 @@ class _Segment:
             self.local[j] = (H, saved, M, state)
             if j < s:
                 w, y = self._write_saved(j)
-                H = conn.depth(mix_streams(M, H)[..., 1:, :], w, y)
+                H = conn.depth(mix_streams(M[..., 1:, :], H), w, y)
         return self.local.pop(s)
 
 
@@ -801,8 +801,8 @@ class _Route(torch.autograd.Function):
         with torch.autocast(device_type=H.device.type, enabled=False):
             if ctx.by_hand:
                 M, w, seen, saved = conn.routing_saved(H)
-                full = mix_streams(M, H)
-                x, mixed = full[..., 0, :].contiguous(), full[..., 1:, :]
+                # x and mixed by rows of M: each on its own storage (the branch norm saves x), no copy
+                x, mixed = mix_streams(M[..., :1, :], H).squeeze(-2), mix_streams(M[..., 1:, :], H)
                 ctx.save_for_backward(*((H,) if start else ()), *saved)
             else:
                 x, mixed, w, seen = conn.route(H)
@@ -820,19 +820,16 @@ class _Route(torch.autograd.Function):
             ctx.seg.local.clear()
         dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
         dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
-        dfull = torch.cat((dx.unsqueeze(-2), dmixed), dim=-2)  # [..., n+1, d]
-        dM = _sum_to(dfull @ H.transpose(-1, -2), M).to(M.dtype)
+        # the gradient of [x; mixed] = M H is [dx; dmixed], used by rows (never concatenated: a stream-sized copy)
+        HT = H.transpose(-1, -2)
+        dM = _sum_to(torch.cat((dx.unsqueeze(-2) @ HT, dmixed @ HT), dim=-2), M).to(M.dtype)
         if dw is None:
             dw = torch.zeros(H.shape[:-1], dtype=M.dtype, device=H.device)
         dH_routing, grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype))
-        MT = M.to(H.dtype).transpose(-1, -2)
-        if dH_routing is None:
-            dH = MT @ dfull
-        else:  # dH_routing + M^T dfull, in one pass
-            n, d = H.shape[-2:]
-            dH = dH_routing.to(H.dtype).reshape(-1, n, d)
-            dH = dH.baddbmm_(MT.expand(*H.shape[:-2], n, n + 1).reshape(-1, n, n + 1),
-                             dfull.reshape(-1, n + 1, d)).view(H.shape)
+        MT = M.to(H.dtype).transpose(-1, -2)  # dH = dH_routing + M^T [dx; dmixed], accumulated in place
+        dH = torch.zeros_like(H) if dH_routing is None else dH_routing.to(H.dtype).view(H.shape)
+        dH.addcmul_(MT[..., :, :1], dx.unsqueeze(-2))
+        mix_streams(MT[..., :, 1:], dmixed, out=dH)
         params = [p for _, p in conn.named_parameters(recurse=False)]
         names = [n for n, _ in conn.named_parameters(recurse=False)]
         out = [grads.get(n) for n in names]

@@ -83,19 +83,21 @@ def hc_coefficients(
     return A, beta
 
 
-def mix_streams(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
-    """M H per token: [..., r, n] @ [..., n, d] -> [..., r, d], in the streams' dtype.
+def mix_streams(M: torch.Tensor, H: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """M H per token: [..., r, n] @ [..., n, d] -> [..., r, d], in the streams' dtype (``out``: added to it, in
+    place, and returned).
 
     fp32 / float64 streams of a training shape: sum_s M[:, s] H_s as n broadcast passes (one product, n - 1
     fused multiply-adds in place), several times faster on CPU than the batched product, whose [r, n] @ [n, d]
     per token runs far below bandwidth once the streams have left the cache (einsum is slower still: a
     per-token path). Half precision, and decoding (a few tokens): the batched product (one rounding per output)."""
     M = M.to(H.dtype)
-    n = H.shape[-2]
     if H.dtype not in (torch.float32, torch.float64) or H.numel() < _ONE_PASS_MIN:
-        return M @ H
-    out = M[..., :, :1] * H[..., :1, :]
-    for s in range(1, n):
+        return M @ H if out is None else out.add_(M @ H)
+    first = 0
+    if out is None:
+        out, first = M[..., :, :1] * H[..., :1, :], 1
+    for s in range(first, H.shape[-2]):
         out.addcmul_(M[..., :, s:s + 1], H[..., s:s + 1, :])
     return out
 
