@@ -43,7 +43,7 @@ from transformers import initialization as init
 from .configuration_depth import DepthConfig, check_fields, field_alias
 from .depth_ops import SEGMENT, _sum_to, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
-from .functional import _acc
+from .functional import _acc, inv_rms
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, fold_aliases, one, pre_norms
 from .residual import (
@@ -333,7 +333,7 @@ class HCConnection(MultiStreamConnection):
         # (no normalized copy; [tokens n, d] @ [d, n + 2] with the weight read transposed, the fast layout)
         Hf = _acc(H)
         d = Hf.shape[-1]
-        r = torch.rsqrt(torch.linalg.vector_norm(Hf, dim=-1, keepdim=True).square_().div_(d).add_(self.eps))
+        r = inv_rms(Hf, self.eps)
         P = (Hf.reshape(-1, d) @ self._projection().T).view(*Hf.shape[:-1], -1).mul_(r)
         A, beta, _ = self._gates(P)
         A = self._unmixed(A)

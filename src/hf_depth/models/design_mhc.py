@@ -52,7 +52,7 @@ from .design_hc import (
     stream_extra_activation_bytes,
 )
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
-from .functional import _acc
+from .functional import _acc, inv_rms
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, Rule, one, pre_norms
 from .residual import Design, register
@@ -172,9 +172,9 @@ class MHCConnection(MultiStreamConnection):
         return pre, post, (res.transpose(-1, -2) if self.columns_first else res), t
 
     def routing_saved(self, H):
-        # the reference's ops (functional.mhc_coefficients) but for the float64 Sinkhorn (see ``_gates``)
+        # functional.mhc_coefficients to fp32 rounding: 1 / rms by one norm, the float64 Sinkhorn (see ``_gates``)
         x = _acc(H.flatten(-2))
-        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        r = inv_rms(x, self.eps)
         proj = (x @ _acc(self.dynamic_phi)) * r
         pre, post, res, _ = self._gates(proj)
         M = torch.cat((pre.unsqueeze(-2), res), dim=-2)

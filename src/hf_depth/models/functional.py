@@ -51,6 +51,11 @@ def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm(x, None, eps)
 
 
+def inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the last dim, keepdim, by one norm (no squared copy of x); x's dtype."""
+    return torch.rsqrt(torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps))
+
+
 def rms_norm_multi(x: torch.Tensor, weights: list[torch.Tensor | None], eps: float) -> list[torch.Tensor]:
     """One normalization of x, several gamma-scaled outputs (the HG scale vectors): [w_i * N̄(x)]."""
     h = rms(x, eps)
