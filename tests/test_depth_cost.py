@@ -180,7 +180,7 @@ def test_stream_routing_variants_equal_reference(design, kw):
     logits, grads = _logits_and_grads(model, x, None)
     with reference_paths():
         ref_logits, ref_grads = _logits_and_grads(model, x, None)
-    # the forward is the reference's to fp32 rounding (HC's projections as one thin product, mHC's Sinkhorn in float64)
+    # the forward is the reference's to fp32 rounding (HC's one projection of the raw streams, mHC's float64 Sinkhorn)
     assert_equal_fp32(logits, ref_logits, "logits")
     assert grads.keys() == ref_grads.keys()
     for name in grads:
@@ -327,3 +327,22 @@ def test_mix_streams_is_the_batched_product(dtype, tokens):
         into = base.clone()
         assert functional.mix_streams(M, H, out=into) is into  # accumulated in place
         torch.testing.assert_close(into, (base.double() + ref.double()).to(dtype), rtol=tol, atol=2 * tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_inv_rms_and_read_and_mix(dtype):
+    """``functional.inv_rms`` is 1 / sqrt(mean(x^2) + eps) (one norm, no squared copy), and ``read_and_mix`` gives
+    rows 0 and 1..n of M H, each on its own storage."""
+    g = torch.Generator().manual_seed(1)
+    H = (3 * torch.randn(2, 64, 4, 256, generator=g)).to(dtype)
+    ref = torch.rsqrt(H.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    got = functional.inv_rms(H, 1e-6)
+    assert got.dtype == dtype and got.shape == ref.shape
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=0)
+    M = torch.randn(2, 64, 5, 4, generator=g).to(dtype)
+    x, mixed = functional.read_and_mix(M, H)
+    full = M.double() @ H.double()
+    torch.testing.assert_close(x.double(), full[..., 0, :], rtol=tol * 10, atol=tol * 10)
+    torch.testing.assert_close(mixed.double(), full[..., 1:, :], rtol=tol * 10, atol=tol * 10)
+    assert x.is_contiguous() and x.untyped_storage().data_ptr() != mixed.untyped_storage().data_ptr()

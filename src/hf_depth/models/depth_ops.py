@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype, _masked_scores, mix_streams
+from .functional import _acc_dtype, _masked_scores, mix_streams, read_and_mix
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -784,8 +784,6 @@ class _Segment:
         return self.local.pop(s)
 
 
-
-
 class _Route(torch.autograd.Function):
     @staticmethod
     def forward(ctx, conn, s, H, *params):
@@ -801,8 +799,7 @@ class _Route(torch.autograd.Function):
         with torch.autocast(device_type=H.device.type, enabled=False):
             if ctx.by_hand:
                 M, w, seen, saved = conn.routing_saved(H)
-                # x and mixed by rows of M: each on its own storage (the branch norm saves x), no copy
-                x, mixed = mix_streams(M[..., :1, :], H).squeeze(-2), mix_streams(M[..., 1:, :], H)
+                x, mixed = read_and_mix(M, H)
                 ctx.save_for_backward(*((H,) if start else ()), *saved)
             else:
                 x, mixed, w, seen = conn.route(H)

@@ -88,6 +88,10 @@ def hc_coefficients(
     return A, beta
 
 
+#: streams of fewer elements than this are mixed by the batched product (dispatch-bound, not memory-bound)
+_ONE_PASS_MIN = 1 << 16
+
+
 def mix_streams(M: torch.Tensor, H: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """M H per token: [..., r, n] @ [..., n, d] -> [..., r, d], in the streams' dtype (``out``: added to it, in
     place, and returned).
@@ -99,12 +103,19 @@ def mix_streams(M: torch.Tensor, H: torch.Tensor, out: torch.Tensor | None = Non
     M = M.to(H.dtype)
     if H.dtype not in (torch.float32, torch.float64) or H.numel() < _ONE_PASS_MIN:
         return M @ H if out is None else out.add_(M @ H)
-    first = 0
-    if out is None:
-        out, first = M[..., :, :1] * H[..., :1, :], 1
-    for s in range(first, H.shape[-2]):
+    start = out is None  # a fresh output starts as the first slot's product
+    if start:
+        out = M[..., :, :1] * H[..., :1, :]
+    for s in range(int(start), H.shape[-2]):
         out.addcmul_(M[..., :, s:s + 1], H[..., s:s + 1, :])
     return out
+
+
+def read_and_mix(M: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, mixed) = (row 0, rows 1..n) of M H for M [..., n+1, n], each on its own storage (the branch norm saves
+    x; no copy of it off a joint product): the CPU training path (``depth_ops._Route``). ``hc_width`` /
+    ``mhc_width`` (reference, decoding) keep the joint product."""
+    return mix_streams(M[..., :1, :], H).squeeze(-2), mix_streams(M[..., 1:, :], H)
 
 
 def hc_width(H: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,13 +133,10 @@ def write_streams(mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torc
     """``mixed + w.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)`` (HC and mHC's write) as one ``addcmul``:
     one pass over the streams instead of a stream-sized temporary and two passes (and faster on CPU than a
     batched ``[n, 1] @ [1, d]`` product per token)."""
+    w = w.to(mixed.dtype).unsqueeze(-1)
     if mixed.dtype != y.dtype:
-        return mixed + w.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)
-    return torch.addcmul(mixed, w.to(mixed.dtype).unsqueeze(-1), y.unsqueeze(-2))
-
-
-#: streams of fewer elements than this are mixed by the batched product (dispatch-bound, not memory-bound)
-_ONE_PASS_MIN = 1 << 16
+        return mixed + w * y.unsqueeze(-2)
+    return torch.addcmul(mixed, w, y.unsqueeze(-2))
 
 
 # --------------------------------------------------------------------------- mHC
