@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype, _masked_scores, mix_streams, read_and_mix
+from .functional import _acc_dtype, _masked_scores, mix_streams, read_and_mix, write_streams
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -729,6 +729,11 @@ SEGMENT = 4
 _SEG_ATTR = "_hf_depth_segment"
 
 
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., r, c] as [tokens, r, c] (a view where the layout allows)."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
 def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` summed over the leading dims that ``like`` (a parameter-shaped weight) does not have."""
     return t if t.dim() == like.dim() else t.flatten(0, t.dim() - like.dim() - 1).sum(0)
@@ -780,7 +785,7 @@ class _Segment:
             self.local[j] = (H, saved, M, state)
             if j < s:
                 w, y = self._write_saved(j)
-                H = conn.depth(mix_streams(M[..., 1:, :], H), w, y)
+                H = write_streams(mix_streams(M[..., 1:, :], H), w, y, inplace=True)  # the forward's ops
         return self.local.pop(s)
 
 
@@ -818,20 +823,16 @@ class _Route(torch.autograd.Function):
         dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
         dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
         # the gradient of [x; mixed] = M H is [dx; dmixed], used by rows (never concatenated: a stream-sized copy)
-        HT = H.transpose(-1, -2)
-        dM = _sum_to(torch.cat((dx.unsqueeze(-2) @ HT, dmixed @ HT), dim=-2), M).to(M.dtype)
+        HT = _tokens(H).transpose(1, 2)  # per token [d, n]; bmm on 3-d views (no broadcasting matmul's extra ops)
+        dM = torch.cat((torch.bmm(_tokens(dx.unsqueeze(-2)), HT), torch.bmm(_tokens(dmixed), HT)), dim=1)
+        dM = _sum_to(dM.view(H.shape[:-2] + dM.shape[1:]), M).to(M.dtype)
         if dw is None:
             dw = torch.zeros(H.shape[:-1], dtype=M.dtype, device=H.device)
-        dH_routing, grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype))
-        MT = M.to(H.dtype).transpose(-1, -2)  # dH = dH_routing + M^T [dx; dmixed], accumulated in place
-        dH = torch.zeros_like(H) if dH_routing is None else dH_routing.to(H.dtype).view(H.shape)
-        dH.addcmul_(MT[..., :, :1], dx.unsqueeze(-2))
-        mix_streams(MT[..., :, 1:], dmixed, out=dH)
-        params = [p for _, p in conn.named_parameters(recurse=False)]
-        names = [n for n, _ in conn.named_parameters(recurse=False)]
-        out = [grads.get(n) for n in names]
-        out = [None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in zip(out, params)]
-        return (None, None, dH, *out)
+        MT = M.to(H.dtype).transpose(-1, -2)  # dH = M^T [dx; dmixed] + the routing's part, accumulated in place
+        dH = mix_streams(MT[..., :, 1:], dmixed).addcmul_(MT[..., :, :1], dx.unsqueeze(-2))
+        grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype), dH)
+        out = [(grads.get(name), p) for name, p in conn.named_parameters(recurse=False)]
+        return (None, None, dH, *(None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in out))
 
     @staticmethod
     def replay(ctx, dx, dmixed, dw):
@@ -857,16 +858,21 @@ class _Write(torch.autograd.Function):
         ctx.save_for_backward(w, y)
         ctx.mixed_dtype, ctx.seg, ctx.s = mixed.dtype, seg, s
         with torch.autocast(device_type=mixed.device.type, enabled=False):
-            return conn.depth(mixed, w, y)
+            if dispatch.use_triton(mixed):
+                return conn.depth(mixed, w, y)
+            # the CPU path writes into the mixed streams (``_Route``'s own output, saved by nobody): ``depth``'s
+            # arithmetic without a fresh stream-sized output
+            ctx.mark_dirty(mixed)
+            return write_streams(mixed, w, y, inplace=True)
 
     @staticmethod
     def backward(ctx, dH):
         seg = ctx.seg
         w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
-        wm = w.to(ctx.mixed_dtype)
+        wm = w.to(ctx.mixed_dtype).expand(dH.shape[:-1])  # static weights: [n], one for every token
         # per token: dy = w^T dH, a batched [1, n] @ [n, d] product; dw = dH y by a product and a sum (on CPU
         # several times faster than the batched [n, d] @ [d, 1] product)
-        dy = (wm.unsqueeze(-2) @ dH).squeeze(-2).to(y.dtype)
+        dy = torch.bmm(_tokens(wm.unsqueeze(-2)), _tokens(dH)).view(y.shape).to(y.dtype)
         dw = (dH * y.to(dH.dtype).unsqueeze(-2)).sum(-1).to(w.dtype)
         return None, None, None, dH, dw, dy
 

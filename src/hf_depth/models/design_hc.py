@@ -142,18 +142,19 @@ def _token_mean(v: torch.Tensor, trailing: int) -> torch.Tensor:
     return v if lead == 0 else v.reshape(-1, *v.shape[lead:]).mean(0)
 
 
-def normalized_projection_backward(X, r, P, dP, WT):
-    """(dX, dW^T) of P = (X W) r, r = 1 / rms(X) [..., 1] (= rms(X) W), for rows X [..., k] and WT = W^T
-    [c, k], given the gradient dP of P [..., c]; fp32. ``X^T dQ`` as ``(dQ^T X)^T`` and ``dQ W^T``: the fast
-    layouts of these thin products on CPU."""
+def normalized_projection_backward(X, r, P, dP, WT, dX):
+    """dW^T of P = (X W) r, r = 1 / rms(X) [..., 1] (= rms(X) W), for rows X [..., k] and WT = W^T [c, k],
+    given the gradient dP of P [..., c]; the gradient of X is added into ``dX`` (X's shape, contiguous, X's
+    dtype), in place. fp32. ``X^T dQ`` as ``(dQ^T X)^T`` and ``dQ W^T`` accumulated by ``addmm_``: the fast
+    layouts of these thin products on CPU, and no stream-sized temporary."""
     Xf = _acc(X)
-    k = Xf.shape[-1]
-    dQ = dP * r  # gradient of the unnormalized product X W
-    dWT = dQ.reshape(-1, WT.shape[0]).T @ Xf.reshape(-1, k)
+    k, c = Xf.shape[-1], WT.shape[0]
+    dQ = (dP * r).reshape(-1, c)  # gradient of the unnormalized product X W
+    dWT = dQ.T @ Xf.reshape(-1, k)
     # through r: dr/dX = -r^3 X / k and dL/dr = sum_c dP_c P_c / r
-    dX = (dQ.reshape(-1, WT.shape[0]) @ WT).view(Xf.shape)
-    dX.addcmul_(Xf, (dP * P).sum(-1, keepdim=True) * (r * r / k), value=-1.0)
-    return dX, dWT
+    dX.view(-1, k).addmm_(dQ.to(dX.dtype), WT.to(dX.dtype))
+    dX.addcmul_(X, ((dP * P).sum(-1, keepdim=True) * (r * r / k)).to(dX.dtype), value=-1.0)
+    return dWT
 
 
 class MultiStreamConnection(SublayerConnection, abc.ABC):
@@ -194,9 +195,10 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         """(M, state for ``routing_backward``) from ``saved``, without touching the streams."""
 
     @abc.abstractmethod
-    def routing_backward(self, H: torch.Tensor, saved: tuple, state, dM: torch.Tensor, dw: torch.Tensor):
-        """(gradient of H through the coefficients or None, {parameter name: gradient}) from the gradients of M
-        (summed to M's shape) and of w."""
+    def routing_backward(self, H: torch.Tensor, saved: tuple, state, dM: torch.Tensor, dw: torch.Tensor,
+                         dH: torch.Tensor) -> dict:
+        """{parameter name: gradient} from the gradients of M (summed to M's shape) and of w; the gradient of H
+        through the coefficients is added into ``dH`` (H's shape and dtype), in place."""
 
     def read(self, state: torch.Tensor, norm: nn.Module | None):
         # saved for backward: H at segment starts, y and the write weights per sublayer (depth_ops.stream_route)
@@ -346,20 +348,20 @@ class HCConnection(MultiStreamConnection):
         A, _, T = self._gates(saved[1])
         return self._unmixed(A).transpose(-1, -2), T
 
-    def routing_backward(self, H, saved, T, dM, dw):
+    def routing_backward(self, H, saved, T, dM, dw, dH):
         dA = dM.transpose(-1, -2)
         if not self.stream_mixing:  # the mixing columns are replaced by I: no gradient reaches them
             dA = torch.cat((dA[..., :1], torch.zeros_like(dA[..., 1:])), dim=-1)
         grads = {"static_alpha": _sum_to(dA, self.static_alpha), "static_beta": _sum_to(dw, self.static_beta)}
         if not self.dynamic:
-            return None, grads
+            return grads
         r, P = saved
         grads["alpha_scale"] = (dA * T[..., :-1]).sum()
         grads["beta_scale"] = (dw * T[..., -1]).sum()
         dT = torch.cat((dA * _acc(self.alpha_scale), (dw * _acc(self.beta_scale)).unsqueeze(-1)), dim=-1)
-        dH, dW = normalized_projection_backward(H, r, P, dT * (1 - T * T), self._projection())
+        dW = normalized_projection_backward(H, r, P, dT * (1 - T * T), self._projection(), dH)
         grads["dynamic_alpha"], grads["dynamic_beta"] = dW[:-1].T, dW[-1]
-        return dH, grads
+        return grads
 
     def depth(self, mixed, beta, out):
         return hc_depth(mixed, beta, out)

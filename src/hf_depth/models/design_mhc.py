@@ -185,7 +185,7 @@ class MHCConnection(MultiStreamConnection):
         pre, post, _, t = self._gates(saved[1], keep)
         return saved[2], (pre, post, t, keep)  # the forward's M: the streams are rebuilt bit-identical
 
-    def routing_backward(self, H, saved, state, dM, dw):
+    def routing_backward(self, H, saved, state, dM, dw, dH):
         n, a = self.n, _acc(self.alpha_scale)
         r, proj, _ = saved
         pre, post, t, keep = state
@@ -202,9 +202,9 @@ class MHCConnection(MultiStreamConnection):
         gate = torch.cat((a[0].expand(n), a[1].expand(n), a[2].expand(n * n)))
         dt = du * gate
         dproj = dt * (1 - t * t) if self.tanh else dt
-        dX, dphiT = normalized_projection_backward(H.flatten(-2), r, proj, dproj, _acc(self.dynamic_phi).T)
-        grads = {"dynamic_phi": dphiT.T, "static_bias": _sum_to(du, self.static_bias), "alpha_scale": da}
-        return dX.view(H.shape), grads
+        dphiT = normalized_projection_backward(H.flatten(-2), r, proj, dproj, _acc(self.dynamic_phi).T,
+                                               dH.view(*H.shape[:-2], -1))
+        return {"dynamic_phi": dphiT.T, "static_bias": _sum_to(du, self.static_bias), "alpha_scale": da}
 
     def depth(self, mixed, post, out):
         return mhc_depth(mixed, post, out)

@@ -103,11 +103,12 @@ def mix_streams(M: torch.Tensor, H: torch.Tensor, out: torch.Tensor | None = Non
     M = M.to(H.dtype)
     if H.dtype not in (torch.float32, torch.float64) or H.numel() < _ONE_PASS_MIN:
         return M @ H if out is None else out.add_(M @ H)
+    cols, slots = M.unsqueeze(-1).unbind(-2), H.unsqueeze(-2).unbind(-3)  # [..., r, 1] and [..., 1, d] views
     start = out is None  # a fresh output starts as the first slot's product
     if start:
-        out = M[..., :, :1] * H[..., :1, :]
-    for s in range(int(start), H.shape[-2]):
-        out.addcmul_(M[..., :, s:s + 1], H[..., s:s + 1, :])
+        out = cols[0] * slots[0]
+    for c, h in zip(cols[start:], slots[start:]):
+        out.addcmul_(c, h)
     return out
 
 
@@ -129,14 +130,15 @@ def hc_depth(mixed: torch.Tensor, beta: torch.Tensor, y: torch.Tensor) -> torch.
     return write_streams(mixed, beta, y)
 
 
-def write_streams(mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def write_streams(mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``mixed + w.to(mixed.dtype).unsqueeze(-1) * y.unsqueeze(-2)`` (HC and mHC's write) as one ``addcmul``:
     one pass over the streams instead of a stream-sized temporary and two passes (and faster on CPU than a
-    batched ``[n, 1] @ [1, d]`` product per token)."""
+    batched ``[n, 1] @ [1, d]`` product per token). ``inplace``: into ``mixed`` (the same arithmetic; no fresh
+    stream-sized output, the costlier write on CPU)."""
     w = w.to(mixed.dtype).unsqueeze(-1)
     if mixed.dtype != y.dtype:
-        return mixed + w * y.unsqueeze(-2)
-    return torch.addcmul(mixed, w, y.unsqueeze(-2))
+        return mixed.add_(w * y.unsqueeze(-2)) if inplace else mixed + w * y.unsqueeze(-2)
+    return mixed.addcmul_(w, y.unsqueeze(-2)) if inplace else torch.addcmul(mixed, w, y.unsqueeze(-2))
 
 
 # --------------------------------------------------------------------------- mHC
