@@ -221,6 +221,12 @@ def test_write_streams_is_the_broadcast_product():
     for w in (torch.randn(2, 64, 4, generator=g), torch.randn(4, generator=g)):
         ref = mixed + w.unsqueeze(-1) * y.unsqueeze(-2)
         torch.testing.assert_close(functional.write_streams(mixed, w, y), ref, rtol=0, atol=1e-6)
+    # in place (the CPU training path's write and rebuild): the same arithmetic, bit for bit, into ``mixed``
+    for y_dtype in (torch.float32, torch.bfloat16):
+        m, w, yy = full[..., 1:, :].contiguous(), torch.randn(2, 64, 4, generator=g), y.to(y_dtype)
+        ref = functional.write_streams(m, w, yy)
+        assert functional.write_streams(m, w, yy, inplace=True) is m
+        assert torch.equal(m, ref)
 
 
 def test_sinkhorn_backward_is_the_unrolled_gradient():
