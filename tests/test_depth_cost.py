@@ -231,7 +231,8 @@ def test_write_streams_is_the_broadcast_product():
 
 def test_sinkhorn_backward_is_the_unrolled_gradient():
     """``sinkhorn_iterates`` / ``sinkhorn_backward`` (mHC's hand-written backward) equal the reference Sinkhorn and
-    autograd through its 20 log-domain iterations (float64), for peaked logits that are far from converged."""
+    autograd through its 20 log-domain iterations: to float64 rounding for float64 logits, and to fp32 rounding
+    for fp32 logits (the routing's dtype), also for logits spread far beyond where exp overflows fp32."""
     from hf_depth.models.design_mhc import sinkhorn_backward, sinkhorn_iterates
 
     g = torch.Generator().manual_seed(0)
@@ -241,8 +242,20 @@ def test_sinkhorn_backward_is_the_unrolled_gradient():
     (ref_grad,) = torch.autograd.grad(ref, z, dres)
     keep = []
     res = sinkhorn_iterates(z.detach(), 20, keep)
+    assert res.dtype == torch.float64 and all(k.dtype == torch.float64 for k in keep)
     torch.testing.assert_close(res, ref.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(sinkhorn_backward(dres, keep), ref_grad, rtol=0, atol=1e-12)
+    for scale in (3.0, 200.0):  # exp(200 * 4 sigma) is inf in fp32: the log-domain iterates stay finite
+        z = (scale * torch.randn(64, 4, 4, generator=g, dtype=torch.float64)).requires_grad_()
+        ref = functional.sinkhorn(z, 20)
+        (ref_grad,) = torch.autograd.grad(ref, z, dres.repeat(11, 1, 1)[:64])
+        keep = []
+        res = sinkhorn_iterates(z.detach().float(), 20, keep)
+        grad = sinkhorn_backward(dres.repeat(11, 1, 1)[:64].float(), keep)
+        assert res.dtype == grad.dtype == torch.float32 and len(keep) == 40
+        torch.testing.assert_close(res.double(), ref.detach(), rtol=0, atol=2e-6)
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=2e-6 * max(1.0, ref_grad.abs().max().item()))
+
 
 @pytest.mark.parametrize("design", ["attnres", "block_attnres"])
 def test_two_phase_logits_once_per_slot(design, monkeypatch):

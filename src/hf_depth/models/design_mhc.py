@@ -158,8 +158,8 @@ class MHCConnection(MultiStreamConnection):
 
     def _gates(self, proj: torch.Tensor, keep: list | None = None):
         """(pre, post, res, t) from the normalized projection ``proj`` = (vec(H) phi) / r, [..., n^2 + 2n], with
-        the ops of ``functional.mhc_gates`` except the Sinkhorn: ``sinkhorn_iterates`` (float64, two ops per
-        half-step instead of the log-domain form's seven; equal to ``functional.sinkhorn`` to its fp32 rounding).
+        the ops of ``functional.mhc_gates`` except the Sinkhorn: ``sinkhorn_iterates`` (one fused ``log_softmax``
+        per half-step instead of the log-domain form's seven; equal to ``functional.sinkhorn`` to its fp32 rounding).
         ``keep`` (a list, in backward) collects its iterates for ``sinkhorn_backward``."""
         n, a, b = self.n, _acc(self.alpha_scale), _acc(self.static_bias)
         t = torch.tanh(proj) if self.tanh else proj
@@ -172,7 +172,7 @@ class MHCConnection(MultiStreamConnection):
         return pre, post, (res.transpose(-1, -2) if self.columns_first else res), t
 
     def routing_saved(self, H):
-        # functional.mhc_coefficients to fp32 rounding: 1 / rms by one norm, the float64 Sinkhorn (see ``_gates``)
+        # functional.mhc_coefficients to fp32 rounding: 1 / rms by one norm, the fused Sinkhorn (see ``_gates``)
         x = _acc(H.flatten(-2))
         r = inv_rms(x, self.eps)
         proj = (x @ _acc(self.dynamic_phi)) * r
@@ -223,35 +223,34 @@ class MHCConnection(MultiStreamConnection):
 
 
 def sinkhorn_iterates(logits: torch.Tensor, iters: int, keep: list | None = None) -> torch.Tensor:
-    """``functional.sinkhorn`` (rows, then columns, ``iters`` times) by normalizing exp(logits) in float64.
+    """``functional.sinkhorn`` (rows, then columns, ``iters`` times): each half-step z <- z - logsumexp(z) is one
+    ``log_softmax`` (the same log-domain iterate, fused into one op instead of logsumexp's six), at least in fp32.
 
-    Each half-step of the log-domain form, z <- z - logsumexp(z), is a division of exp(z) by its row (column)
-    sums: the same iterates, in two ops instead of logsumexp's six; float64 (more accurate than the fp32
-    reference, which it matches to its rounding) keeps the exponentials of logits spread by up to ~700 finite,
-    far beyond what the fp32 routing produces. The matrices are laid out token-last, [n, n, tokens], so that
-    every row / column sum is a vertical sum of whole token vectors (on CPU, half the time of a sum over 4
-    adjacent numbers per token). ``keep`` (a list) receives every iterate, in that layout, for
-    ``sinkhorn_backward``. Returns the result as ``logits`` ([..., n, n], their dtype)."""
+    The matrices are laid out token-last, [n, n, tokens], so that every row / column reduction runs over whole
+    token vectors (on CPU, about half the time of a reduction over 4 adjacent numbers per token), and every later
+    op, the backward's included, inherits that contiguous layout. ``keep`` (a list) receives every iterate, in
+    that layout, for ``sinkhorn_backward``. Returns the result as ``logits`` ([..., n, n], their dtype)."""
     n = logits.shape[-1]
-    z = logits.double().reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [row, column, token]
-    E = torch.exp(z - z.amax(1, keepdim=True))  # the first row step is shift invariant
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    z = logits.to(dt).reshape(-1, n, n).permute(1, 2, 0).contiguous()  # [row, column, token]
     for _ in range(iters):
-        for dim in (1, 0):  # row sums (over columns), then column sums (over rows)
-            E = E / E.sum(dim, keepdim=True)
+        for dim in (1, 0):  # normalize the rows (over columns), then the columns (over rows)
+            z = torch.log_softmax(z, dim)
             if keep is not None:
-                keep.append(E)
-    return E.permute(2, 0, 1).reshape(logits.shape).to(logits.dtype)
+                keep.append(z)
+    return z.exp().permute(2, 0, 1).reshape(logits.shape).to(logits.dtype)
 
 
 def sinkhorn_backward(dres: torch.Tensor, keep: list) -> torch.Tensor:
     """Gradient of the logits of ``sinkhorn_iterates`` (exact through every iteration, not the implicit one).
 
-    The half-step z' = z - logsumexp(z) has dz = dz' - softmax(z) sum(dz'), and softmax(z) = exp(z') is the
-    kept iterate (token-last, as ``keep`` holds them)."""
-    n = dres.shape[-1]
-    dz = dres.double().reshape(-1, n, n).permute(1, 2, 0) * keep[-1]
+    res = exp(z_K), so dz_K = dres * res; each half-step z' = log_softmax(z) has dz = dz' - exp(z') sum(dz'),
+    which is aten's fused ``_log_softmax_backward_data`` on the kept iterate z' (token-last, as ``keep``
+    holds them)."""
+    n, z = dres.shape[-1], keep[-1]
+    dz = dres.to(z.dtype).reshape(-1, n, n).permute(1, 2, 0).contiguous() * z.exp()
     for k in range(len(keep) - 1, -1, -1):
-        dz = torch.addcmul(dz, keep[k], dz.sum(1 if k % 2 == 0 else 0, keepdim=True), value=-1.0)
+        dz = torch._log_softmax_backward_data(dz, keep[k], 1 if k % 2 == 0 else 0, z.dtype)
     return dz.permute(2, 0, 1).reshape(dres.shape).to(dres.dtype)
 
 
