@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype, _masked_scores, mix_streams, read_and_mix, write_streams
+from .functional import _acc_dtype, _masked_scores, inv_rms, mix_streams, read_and_mix, write_streams
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -105,49 +105,61 @@ class SourceBank:
         with torch.no_grad():
             self._raw[i].copy_(t)
             if self._rraw is not None:
-                h = self._raw[i].to(self._rraw.dtype)
-                self._rraw[i] = torch.rsqrt(h.pow(2).mean(-1) + self.rms_eps)
+                self._rraw[i] = _rinv(self._raw[i], self.rms_eps)
         self.refs[i] = weakref.ref(t)
         self.count = i + 1
 
 
 def _rinv(v: torch.Tensor, eps: float) -> torch.Tensor:
-    h = v.to(_acc_dtype(v.dtype))
-    return torch.rsqrt(h.pow(2).mean(-1) + eps)
+    """1 / rms of the rows of v [..., d] in fp32, [...] (``functional.inv_rms``: no squared copy of v)."""
+    return inv_rms(v.to(_acc_dtype(v.dtype)), eps).squeeze(-1)
 
 
 # --------------------------------------------------------------------------------------------- AttnRes
-def _agg_forward(qg, V, r, P, rp, weighted_sum: bool = True):
-    """Logits, softmax and (``weighted_sum``) the weighted sum over V [K, N, d] (+ partial P [N, d]); fp32 math."""
+def _partial_logit(partial, qg, eps):
+    """(P [N, d] in fp32, 1/rms(P) [N], z_P = r_P <qg, P> [N]) of the running partial sum; both [N] vectors are
+    saved for backward (two floats per token), so the backward never re-reads P for them."""
+    P = partial.reshape(-1, qg.shape[-1])
+    Pa = P if P.dtype == qg.dtype else P.to(qg.dtype)
+    rp = _rinv(P, eps)
+    return Pa, rp, rp * (Pa @ qg)
+
+
+def _agg_softmax(qg, V, r, zp):
+    """(logits, softmax, V in fp32) over V [K, N, d] (+ the partial's logit zp [N] as the last entry); fp32 math."""
     K, N, d = V.shape
-    acc = qg.dtype
-    Va = V if V.dtype == acc else V.to(acc)
+    Va = V if V.dtype == qg.dtype else V.to(qg.dtype)
     z = r * (Va.reshape(K * N, d) @ qg).view(K, N)
-    if P is not None:
-        Pa = P if P.dtype == acc else P.to(acc)
-        z = torch.cat((z, (rp * (Pa @ qg)).unsqueeze(0)))
-    p = torch.softmax(z, dim=0)
-    if not weighted_sum:  # backward: only the logits and the softmax are recomputed
-        return z, p, None
-    return z, p, _weighted_sum(p, Va, None if P is None else Pa)
+    if zp is not None:
+        z = torch.cat((z, zp.unsqueeze(0)))
+    return z, torch.softmax(z, dim=0), Va
+
+
+def _slot_dots(do, Va):
+    """<do_n, v_kn> for every slot k and token n: [K, N] (a [K, N] view of one batched [1, d] @ [d, K] product
+    per token, the product einsum would pick, without its dispatch)."""
+    return torch.bmm(do.unsqueeze(1), Va.permute(1, 2, 0)).view(do.shape[0], Va.shape[0]).t()
 
 
 def _weighted_sum(p, Va, Pa):
-    """sum_k p_k v_k (+ p_K P), one slot at a time (einsum would copy V per token on CPU)."""
-    out = p[0].unsqueeze(-1) * Va[0]
+    """sum_k p_k v_k (+ p_K P), one slot at a time, accumulated in place (einsum would copy V per token on CPU)."""
+    pu = p.unsqueeze(-1)
+    out = pu[0] * Va[0]
     for k in range(1, Va.shape[0]):
-        out.addcmul_(p[k].unsqueeze(-1), Va[k])
+        out.addcmul_(pu[k], Va[k])
     if Pa is not None:
-        out = out + p[-1].unsqueeze(-1) * Pa
+        out.addcmul_(pu[-1], Pa)
     return out
 
 
 def _aggregate_outputs(ctx, saved, eps, sources, bank, fresh, out, p):
-    """What both depth-softmax Functions save and return: (out [..., d] in V's dtype, p [..., S])."""
+    """What both depth-softmax Functions save and return: (out [..., d] in V's dtype, p [..., S]). ``saved``:
+    (query, key weight, V, 1/rms of V, partial, its 1/rms, its logit)."""
     V = saved[2]
     lead, d = V.shape[1:-1], V.shape[-1]
     ctx.save_for_backward(*saved)  # the same tensors on both paths (a checkpointed recomputation may take either)
     ctx.eps, ctx.n_sources, ctx.bank, ctx.fresh = eps, len(sources), bank, fresh
+    ctx.set_materialize_grads(False)  # p is not differentiable: no zero gradient is made for it
     p = p.movedim(0, -1).reshape(*lead, -1)
     ctx.mark_non_differentiable(p)
     return out.to(V.dtype).view(*lead, d), p
@@ -199,16 +211,19 @@ class TwoPhase:
         self.writes.append((lo, hi, col))
         self.z[col:, lo:hi] = self.logits(lo, hi, col)
 
-    def backward_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(z rebuilt from the bank as in forward, zero logit gradients), once per graph task. Entries of a slot
-        at columns before its writer's are never read (no earlier consumer reads it)."""
+    def backward_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(z rebuilt from the bank as in forward, zero logit gradients, zero ``qg`` gradient), once per graph task.
+        Entries of a slot at columns before its writer's are never read (no earlier consumer reads it). Every
+        consumer adds its part of the ``qg`` gradient in place; the first consumer, whose backward runs last (it
+        writes slot 0, see ``SourceBank.grad``), returns the total: one gradient for autograd to pass on, not one
+        [C, d] tensor per consumer."""
         task = torch._C._current_graph_task_id()
         if self._task is None or self._task[0] != task:
             z = torch.empty(self.z_shape, dtype=self.qg_d.dtype, device=self.qg_d.device)
             for lo, hi, col in self.writes:
                 z[col:, lo:hi] = self.logits(lo, hi, col)
-            self._task = (task, z, torch.zeros_like(z))
-        return self._task[1], self._task[2]
+            self._task = (task, z, torch.zeros_like(z), torch.zeros_like(self.qg_d))
+        return self._task[1:]
 
     def release(self) -> None:
         self._task = None
@@ -245,54 +260,49 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Va = Va if Va.dtype == acc else Va.to(acc)
         qc = two.qg_d[col]
         z = two.z[col, :K] if two.z is not None else r.reshape(K, -1) * (Va.reshape(-1, d) @ qc).view(K, -1)
-        P = Pa = None
+        Pa = rp = zp = None
         if partial is not None:
-            P = partial.reshape(-1, d)
-            Pa = P if P.dtype == acc else P.to(acc)
-            z = torch.cat((z, (_rinv(P, eps) * (Pa @ qc)).unsqueeze(0)))
+            Pa, rp, zp = _partial_logit(partial, qc, eps)
+            z = torch.cat((z, zp.unsqueeze(0)))
         p = torch.softmax(z, dim=0)
         out = _weighted_sum(p, Va, Pa)
         if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
             two.z = None
         ctx.two, ctx.col = two, col
-        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial), eps, sources, bank, fresh, out, p)
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, sources, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
-        _, _, V, r, partial = ctx.saved_tensors
+        _, _, V, r, partial, rp, zp = ctx.saved_tensors
         bank, two, col, fresh = ctx.bank, ctx.two, ctx.col, ctx.fresh
         K, d = V.shape[0], V.shape[-1]
         acc = two.qg_d.dtype
         Va = V.reshape(K, -1, d)
         Va = Va if Va.dtype == acc else Va.to(acc)
-        Z, DZ = two.backward_buffers()
+        Z, DZ, DQ = two.backward_buffers()
         qc = two.qg_d[col]
         z = Z[col, :K]
-        P = Pa = None
+        Pa = None
         if partial is not None:
-            P = partial.reshape(-1, d)
-            Pa = P.to(acc)
-            rp = _rinv(P, ctx.eps)
-            zp = rp * (Pa @ qc)
+            Pa = partial.reshape(-1, d).to(acc)
             z = torch.cat((z, zp.unsqueeze(0)))
         p = torch.softmax(z, dim=0)
-        do = dout.reshape(-1, d).to(acc)
-        dp = torch.einsum("nd,knd->kn", do, Va)
-        if P is not None:
+        do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
+        dp = _slot_dots(do, Va)
+        if Pa is not None:
             dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
         dz = p * (dp - (p * dp).sum(0, keepdim=True))
         DZ[col, :K] = dz[:K]
         dV = bank.grad(acc)[:K].view(K, -1, d)
-        dV.addcmul_(p[:K].unsqueeze(-1), do)
-        dqg = None
+        pu = p.unsqueeze(-1)
+        dV.addcmul_(pu[:K], do)
         dpartial = None
-        if P is not None:  # the running partial sum's own logit (read by this consumer only)
-            a, b = dz[K] * rp, -(dz[K] * zp * rp * rp) / d
-            dpartial = do * p[K].unsqueeze(-1)
-            dpartial.addcmul_(a.unsqueeze(-1), qc).addcmul_(b.unsqueeze(-1), Pa)
+        if Pa is not None:  # the running partial sum's own logit (read by this consumer only)
+            a = dz[K] * rp
+            dpartial = do * pu[K]
+            dpartial.addcmul_(a.unsqueeze(-1), qc).addcmul_((a * zp * rp).unsqueeze(-1), Pa, value=-1.0 / d)
             dpartial = dpartial.to(partial.dtype).view_as(partial)
-            dqg = torch.zeros_like(two.qg_d)
-            dqg[col] = a @ Pa
+            DQ[col].addmv_(Pa.t(), a)
         if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
             rf = r.reshape(K, -1)[fresh:]
             dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
@@ -301,12 +311,12 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             A = A.reshape(A.shape[0], -1)
             dV[fresh:].add_((A.t() @ two.qg_d[col:]).view(K - fresh, -1, d))
             dV[fresh:].addcmul_(B.unsqueeze(-1), Va[fresh:])
-            if dqg is None:
-                dqg = torch.zeros_like(two.qg_d)
-            dqg[col:] += A @ Va[fresh:].reshape(-1, d)
+            DQ[col:].addmm_(A, Va[fresh:].reshape(-1, d))
         dV = dV.view(V.shape)
         grads = tuple(dV[i].to(V.dtype) if i >= fresh else None for i in range(ctx.n_sources))
-        if fresh == 0:
+        dqg = None
+        if fresh == 0:  # the first consumer, the last backward of this graph task: the queries' whole gradient
+            dqg = DQ
             bank.release_grad()
             two.release()
         return (None, None, dqg, None, None, None, dpartial, None, None, None, *grads)
@@ -318,34 +328,31 @@ class _DepthAggregate(torch.autograd.Function):
         K, d = V.shape[0], V.shape[-1]
         acc = _acc_dtype(V.dtype)
         qg = query.to(acc) if key_weight is None else query.to(acc) * key_weight.to(acc)
-        Vf = V.reshape(K, -1, d)
-        P = None if partial is None else partial.reshape(-1, d)
-        rp = None if P is None else _rinv(P, eps)
-        _, p, out = _agg_forward(qg, Vf, r.reshape(K, -1), P, rp)
+        Pa = rp = zp = None
+        if partial is not None:
+            Pa, rp, zp = _partial_logit(partial, qg, eps)
+        _, p, Va = _agg_softmax(qg, V.reshape(K, -1, d), r.reshape(K, -1), zp)
+        out = _weighted_sum(p, Va, Pa)
         fresh = None if bank is None else bank.fresh
-        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial), eps, sources, bank, fresh, out, p)
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, sources, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
-        query, key_weight, V, r, partial = ctx.saved_tensors
+        query, key_weight, V, r, partial, rp, zp = ctx.saved_tensors
         K, d = V.shape[0], V.shape[-1]
         acc = _acc_dtype(V.dtype)
         q32 = query.to(acc)
         g32 = None if key_weight is None else key_weight.to(acc)
         qg = q32 if g32 is None else q32 * g32
-        Vf = V.reshape(K, -1, d)
-        Va = Vf if Vf.dtype == acc else Vf.to(acc)
-        P = None if partial is None else partial.reshape(-1, d)
-        Pa = None if P is None else P.to(acc)
-        rp = None if P is None else _rinv(P, ctx.eps)
+        Pa = None if partial is None else partial.reshape(-1, d).to(acc)
         rf = r.reshape(K, -1)
-        z, p, _ = _agg_forward(qg, Vf, rf, P, rp, weighted_sum=False)
-        do = dout.reshape(-1, d).to(acc)
-        dp = torch.einsum("nd,knd->kn", do, Va)
-        if P is not None:
+        z, p, Va = _agg_softmax(qg, V.reshape(K, -1, d), rf, zp)
+        do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
+        dp = _slot_dots(do, Va)
+        if Pa is not None:
             dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
         dz = p * (dp - (p * dp).sum(0, keepdim=True))
-        rr = rf if P is None else torch.cat((rf, rp.unsqueeze(0)))
+        rr = rf if Pa is None else torch.cat((rf, rp.unsqueeze(0)))
         a = dz * rr  # d z / d v = r qg - (z r^2 / d) v
         b = -(dz * z * rr * rr) / d
         bank = ctx.bank
@@ -355,7 +362,7 @@ class _DepthAggregate(torch.autograd.Function):
         dV.addcmul_(b[:K].unsqueeze(-1), Va)
         dqg = a[:K].reshape(-1) @ Va.reshape(-1, d)
         dpartial = None
-        if P is not None:
+        if Pa is not None:
             dpartial = (p[K].unsqueeze(-1) * do + a[K].unsqueeze(-1) * qg + b[K].unsqueeze(-1) * Pa)
             dqg = dqg + a[K] @ Pa
             dpartial = dpartial.to(partial.dtype).view_as(partial)

@@ -291,8 +291,11 @@ def bank_capacity(config) -> int:
 
 def attnres_extra_activation_bytes(config, batch: int, seq_len: int, compute_bytes: int) -> int:
     """The source bank, kept once per forward (``depth_ops.SourceBank``): ``capacity`` slots of d (stream dtype)
-    and their 1/rms (fp32) per token; each aggregation's output replaces the residual add Pre-LN's norm saves."""
-    return bank_capacity(config) * batch * seq_len * (config.hidden_size * STREAM_BYTES + 4)
+    and their 1/rms (fp32) per token; each aggregation's output replaces the residual add Pre-LN's norm saves.
+    An aggregation that reads a running partial sum also keeps its 1/rms and logit (fp32) per token."""
+    partials = sum(source_layout(config, s)[1] for s in range(1, config.num_sublayers + 1))
+    per_token = bank_capacity(config) * (config.hidden_size * STREAM_BYTES + 4) + partials * 2 * 4
+    return per_token * batch * seq_len
 
 
 class AttnResModel(DepthModel):  # Full AttnRes decoder (no LM head)
