@@ -143,22 +143,22 @@ def _slot_dots(do, Va):
 
 def _weighted_sum(p, Va, Pa):
     """sum_k p_k v_k (+ p_K P), one slot at a time, accumulated in place (einsum would copy V per token on CPU)."""
-    pu = p.unsqueeze(-1)
-    out = pu[0] * Va[0]
-    for k in range(1, Va.shape[0]):
-        out.addcmul_(pu[k], Va[k])
+    pk, vk = p.unsqueeze(-1).unbind(0), Va.unbind(0)  # the slots as views, by one call each
+    out = pk[0] * vk[0]
+    for k in range(1, len(vk)):
+        out.addcmul_(pk[k], vk[k])
     if Pa is not None:
-        out.addcmul_(pu[-1], Pa)
+        out.addcmul_(pk[-1], Pa)
     return out
 
 
-def _aggregate_outputs(ctx, saved, eps, sources, bank, fresh, out, p):
+def _aggregate_outputs(ctx, saved, eps, bank, fresh, out, p):
     """What both depth-softmax Functions save and return: (out [..., d] in V's dtype, p [..., S]). ``saved``:
     (query, key weight, V, 1/rms of V, partial, its 1/rms, its logit)."""
     V = saved[2]
     lead, d = V.shape[1:-1], V.shape[-1]
     ctx.save_for_backward(*saved)  # the same tensors on both paths (a checkpointed recomputation may take either)
-    ctx.eps, ctx.n_sources, ctx.bank, ctx.fresh = eps, len(sources), bank, fresh
+    ctx.eps, ctx.bank, ctx.fresh = eps, bank, fresh
     ctx.set_materialize_grads(False)  # p is not differentiable: no zero gradient is made for it
     p = p.movedim(0, -1).reshape(*lead, -1)
     ctx.mark_non_differentiable(p)
@@ -178,14 +178,17 @@ class TwoPhase:
     matmul per slot), never saved between forward and backward."""
 
     def __init__(self, bank: SourceBank, queries, key_weights, qg: torch.Tensor):
-        self.bank, self.queries, self.key_weights = bank, tuple(queries), tuple(key_weights)
+        # the bank's tensors, not the bank: the bank holds this object (no reference cycle, so both are freed by
+        # reference counting with the graph, never left for the garbage collector)
+        self.data, self.rinv = bank.data, bank.rinv
+        self.queries, self.key_weights = tuple(queries), tuple(key_weights)
         self.cols = {id(q): c for c, q in enumerate(self.queries)}
         self.qg, self.qg_d = qg, qg.detach()
         n = bank.data.shape[1:-1].numel()
         self.z_shape = (qg.shape[0], bank.data.shape[0], n)  # [C, capacity, N]: a consumer's column is contiguous
         self.z = torch.empty(self.z_shape, dtype=qg.dtype, device=qg.device)
         self.writes: list[tuple[int, int, int]] = []  # (first slot, end, writer column) of every write
-        self._task = None  # (graph task id, rebuilt logits, their gradients)
+        self._task = None  # (graph task id, rebuilt logits, their gradients, the query gradient)
 
     def column(self, query, key_weight) -> int | None:
         """The consumer column of (query, key weight), or None if they are not the ones the logits were made with."""
@@ -200,10 +203,10 @@ class TwoPhase:
     def logits(self, lo: int, hi: int, col: int) -> torch.Tensor:
         """z of slots ``lo:hi``, written by consumer ``col``, against it and every later consumer (the ones that
         read them): [C - col, hi - lo, N] (fp32)."""
-        V = self.bank.data[lo:hi]
+        V = self.data[lo:hi]
         d = V.shape[-1]
         Va = V.reshape(-1, d).to(self.qg_d.dtype)
-        r = self.bank.rinv[lo:hi].reshape(1, hi - lo, -1)
+        r = self.rinv[lo:hi].reshape(1, hi - lo, -1)
         return r * (self.qg_d[col:] @ Va.t()).view(-1, hi - lo, r.shape[-1])
 
     def write(self, lo: int, hi: int, col: int) -> None:
@@ -269,7 +272,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
             two.z = None
         ctx.two, ctx.col = two, col
-        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, sources, bank, fresh, out, p)
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
@@ -313,7 +316,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             dV[fresh:].addcmul_(B.unsqueeze(-1), Va[fresh:])
             DQ[col:].addmm_(A, Va[fresh:].reshape(-1, d))
         dV = dV.view(V.shape)
-        grads = tuple(dV[i].to(V.dtype) if i >= fresh else None for i in range(ctx.n_sources))
+        grads = tuple(dV[i].to(V.dtype) for i in range(fresh, K))
         dqg = None
         if fresh == 0:  # the first consumer, the last backward of this graph task: the queries' whole gradient
             dqg = DQ
@@ -333,8 +336,8 @@ class _DepthAggregate(torch.autograd.Function):
             Pa, rp, zp = _partial_logit(partial, qg, eps)
         _, p, Va = _agg_softmax(qg, V.reshape(K, -1, d), r.reshape(K, -1), zp)
         out = _weighted_sum(p, Va, Pa)
-        fresh = None if bank is None else bank.fresh
-        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, sources, bank, fresh, out, p)
+        fresh = 0 if bank is None else bank.fresh
+        return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, bank, fresh, out, p)
 
     @staticmethod
     def backward(ctx, dout, _dp):
@@ -369,12 +372,10 @@ class _DepthAggregate(torch.autograd.Function):
         dq = None if not ctx.needs_input_grad[0] else (dqg if g32 is None else dqg * g32).to(query.dtype)
         dw = None if key_weight is None or not ctx.needs_input_grad[1] else (dqg * q32).to(key_weight.dtype)
         dV = dV.view(V.shape)
-        if bank is None:
-            grads = tuple(dV[i].to(V.dtype) for i in range(ctx.n_sources))
-        else:  # only the slots this call wrote: their gradient is complete now (see ``SourceBank.grad``)
-            grads = tuple(dV[i].to(V.dtype) if i >= ctx.fresh else None for i in range(ctx.n_sources))
-            if ctx.fresh == 0:
-                bank.release_grad()
+        # with a bank, only the slots this call wrote: their gradient is complete now (see ``SourceBank.grad``)
+        grads = tuple(dV[i].to(V.dtype) for i in range(ctx.fresh, K))
+        if bank is not None and ctx.fresh == 0:
+            bank.release_grad()
         return (dq, dw, None, None, None, dpartial, None, *grads)
 
 
@@ -404,12 +405,14 @@ def depth_aggregate(query: torch.Tensor, key_weight: torch.Tensor | None, source
     if two is not None and bank.rms_eps == eps and not dispatch.use_triton(V):
         col = two.column(query, key_weight)
         if col is not None:
-            return _TwoPhaseAggregate.apply(query, key_weight, two.qg, eps, V, r, partial, bank, two, col, *fixed)
+            return _TwoPhaseAggregate.apply(query, key_weight, two.qg, eps, V, r, partial, bank, two, col,
+                                            *fixed[bank.fresh:])  # the slots it wrote (SourceBank.grad)
     if two is not None and bank.fresh < len(fixed):  # slots without logits: no later call may take the two-phase path
         bank.two = None
     if dispatch.use_triton(V):
         return _triton_aggregate(query, key_weight, V, partial, eps, fixed)
-    return _DepthAggregate.apply(query, key_weight, eps, V, r, partial, bank, *fixed)
+    first = 0 if bank is None else bank.fresh  # inputs: the sources whose gradient this call hands on (SourceBank.grad)
+    return _DepthAggregate.apply(query, key_weight, eps, V, r, partial, bank, *fixed[first:])
 
 
 class _TritonAggregate(torch.autograd.Function):

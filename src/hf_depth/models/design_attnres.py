@@ -164,7 +164,7 @@ class DepthAggregation(nn.Module):
         out, p = depth_aggregate(self.query, self.key_norm.gamma(), sources, self.eps, stable)
         if self.scale_by_sources:  # K * mean at zero queries: the plain sum of the sources (attnres_scale_by_sources)
             out = out * len(sources)
-        self._last_weights = p.detach().flatten(0, -2).float().mean(0)  # token-averaged, for diagnostics
+        self._last_weights = p.detach().flatten(0, -2).mean(0).float()  # token-averaged, for diagnostics
         return out
 
     def path_weights(self) -> dict[str, torch.Tensor] | None:
