@@ -207,8 +207,9 @@ def main(argv=None):
             for n in designs:
                 cells[(n, f"peak L={L}")] = f"{peaks[n] / peaks['pre_ln']:.2f}"
         del models
-    print(table(f"forward+backward time / Pre-LN (d={a.hidden}, T={a.seq}, B={a.batch}; median of {a.rounds} "
-                "rounds of paired ratios)", designs, cols, cells))
+    if cols:  # ``--time-layers`` with no values: no time table
+        print(table(f"forward+backward time / Pre-LN (d={a.hidden}, T={a.seq}, B={a.batch}; median of {a.rounds} "
+                    "rounds of paired ratios)", designs, cols, cells))
     print(targets(designs, a.layers, mem, times))
 
     print(generation_table(designs, a, device))
