@@ -59,6 +59,8 @@ def test_a_step_leaves_no_cyclic_garbage(design):
     logits are GBs, alive into the next step until a collection runs)."""
     import gc
 
+    from hf_depth.models import depth_ops
+
     model = _perturb(tiny_model(design, num_hidden_layers=3)).train()
     x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
     _logits_and_grads(model, x, None)
@@ -67,8 +69,8 @@ def test_a_step_leaves_no_cyclic_garbage(design):
     try:
         _logits_and_grads(model, x, None)
         gc.collect()
-        leaked = [type(o).__name__ for o in gc.garbage if isinstance(o, torch.Tensor) or "Bank" in type(o).__name__
-                  or "Phase" in type(o).__name__ or "Segment" in type(o).__name__]
+        held = (torch.Tensor, depth_ops.SourceBank, depth_ops.TwoPhase, depth_ops._Segment)
+        leaked = [type(o).__name__ for o in gc.garbage if isinstance(o, held)]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()

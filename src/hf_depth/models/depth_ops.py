@@ -141,6 +141,24 @@ def _slot_dots(do, Va):
     return torch.bmm(do.unsqueeze(1), Va.permute(1, 2, 0)).view(do.shape[0], Va.shape[0]).t()
 
 
+def _logit_grads(p, do, Va, Pa):
+    """dL/dz of the depth softmax p [K(+1), N] given the output gradient do [N, d]: softmax backward of the slot
+    dots <do, v_k> (+ <do, P> of the partial Pa as the last row)."""
+    dp = _slot_dots(do, Va)
+    if Pa is not None:
+        dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
+    return p * (dp - (p * dp).sum(0, keepdim=True))
+
+
+def _partial_grad(do, p_last, dz_last, rp, zp, qg, Pa):
+    """(gradient of the partial sum [N, d], a = dz r_P [N]) through its weight and its logit z_P = r_P <qg, P>:
+    p_P do + a qg - (a z_P r_P / d) P. ``a @ Pa`` is the partial's part of the ``qg`` gradient."""
+    a = dz_last * rp
+    dpartial = do * p_last.unsqueeze(-1)
+    dpartial.addcmul_(a.unsqueeze(-1), qg).addcmul_((a * zp * rp).unsqueeze(-1), Pa, value=-1.0 / Pa.shape[-1])
+    return dpartial, a
+
+
 def _weighted_sum(p, Va, Pa):
     """sum_k p_k v_k (+ p_K P), one slot at a time, accumulated in place (einsum would copy V per token on CPU)."""
     pk, vk = p.unsqueeze(-1).unbind(0), Va.unbind(0)  # the slots as views, by one call each
@@ -291,19 +309,13 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             z = torch.cat((z, zp.unsqueeze(0)))
         p = torch.softmax(z, dim=0)
         do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
-        dp = _slot_dots(do, Va)
-        if Pa is not None:
-            dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
-        dz = p * (dp - (p * dp).sum(0, keepdim=True))
+        dz = _logit_grads(p, do, Va, Pa)
         DZ[col, :K] = dz[:K]
         dV = bank.grad(acc)[:K].view(K, -1, d)
-        pu = p.unsqueeze(-1)
-        dV.addcmul_(pu[:K], do)
+        dV.addcmul_(p[:K].unsqueeze(-1), do)
         dpartial = None
         if Pa is not None:  # the running partial sum's own logit (read by this consumer only)
-            a = dz[K] * rp
-            dpartial = do * pu[K]
-            dpartial.addcmul_(a.unsqueeze(-1), qc).addcmul_((a * zp * rp).unsqueeze(-1), Pa, value=-1.0 / d)
+            dpartial, a = _partial_grad(do, p[K], dz[K], rp, zp, qc, Pa)
             dpartial = dpartial.to(partial.dtype).view_as(partial)
             DQ[col].addmv_(Pa.t(), a)
         if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
@@ -351,23 +363,19 @@ class _DepthAggregate(torch.autograd.Function):
         rf = r.reshape(K, -1)
         z, p, Va = _agg_softmax(qg, V.reshape(K, -1, d), rf, zp)
         do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
-        dp = _slot_dots(do, Va)
-        if Pa is not None:
-            dp = torch.cat((dp, (do * Pa).sum(-1).unsqueeze(0)))
-        dz = p * (dp - (p * dp).sum(0, keepdim=True))
-        rr = rf if Pa is None else torch.cat((rf, rp.unsqueeze(0)))
-        a = dz * rr  # d z / d v = r qg - (z r^2 / d) v
-        b = -(dz * z * rr * rr) / d
+        dz = _logit_grads(p, do, Va, Pa)
+        a = dz[:K] * rf  # d z / d v = r qg - (z r^2 / d) v
+        b = -(dz[:K] * z[:K] * rf * rf) / d
         bank = ctx.bank
         dV = bank.grad(acc)[:K].view(K, -1, d) if bank is not None else torch.zeros_like(Va)
         dV.addcmul_(p[:K].unsqueeze(-1), do)
-        dV.addcmul_(a[:K].unsqueeze(-1), qg)
-        dV.addcmul_(b[:K].unsqueeze(-1), Va)
-        dqg = a[:K].reshape(-1) @ Va.reshape(-1, d)
+        dV.addcmul_(a.unsqueeze(-1), qg)
+        dV.addcmul_(b.unsqueeze(-1), Va)
+        dqg = a.reshape(-1) @ Va.reshape(-1, d)
         dpartial = None
         if Pa is not None:
-            dpartial = (p[K].unsqueeze(-1) * do + a[K].unsqueeze(-1) * qg + b[K].unsqueeze(-1) * Pa)
-            dqg = dqg + a[K] @ Pa
+            dpartial, ap = _partial_grad(do, p[K], dz[K], rp, zp, qg, Pa)
+            dqg = dqg + ap @ Pa
             dpartial = dpartial.to(partial.dtype).view_as(partial)
         dq = None if not ctx.needs_input_grad[0] else (dqg if g32 is None else dqg * g32).to(query.dtype)
         dw = None if key_weight is None or not ctx.needs_input_grad[1] else (dqg * q32).to(key_weight.dtype)
