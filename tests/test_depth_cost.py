@@ -212,6 +212,39 @@ def test_stream_routing_variants_equal_reference(design, kw):
         assert_equal_fp32(grads[name], ref_grads[name], name)
 
 
+@pytest.mark.parametrize("design,kw", [
+    ("hc", {}), ("hc", {"hc_dynamic": False}), ("hc", {"hc_stream_mixing": False}), ("mhc", {}),
+    ("mhc", {"mhc_dynamic_tanh": True, "mhc_sinkhorn_order": "columns_first"}),
+])
+def test_no_grad_forward_of_a_prompt_is_the_training_forward(design, kw, monkeypatch):
+    """Without autograd (evaluation, a prompt's prefill), streams of at least ``_ONE_PASS_MIN`` elements are routed by
+    the CPU training forward's ops (``routing_saved``): logits bit-equal to the training forward's, and the
+    reference route's (``conn.route``, which decoding keeps: one token at a time) to fp32 rounding."""
+    from hf_depth.models import depth_ops
+
+    model = _perturb(tiny_model(design, num_hidden_layers=5, hidden_size=64, **kw))
+    x = torch.randint(2, 97, (2, 128), generator=torch.Generator().manual_seed(3))  # streams: 2 * 128 * 4 * 64
+    assert x.numel() * model.config.num_streams * 64 >= functional._ONE_PASS_MIN
+    trained = model(x, use_cache=False).logits
+    cls = type(model.model.layers[0].attn_connection)
+    calls = {"route": 0}
+    real = cls.route
+
+    def spy(self, H):
+        calls["route"] += 1
+        return real(self, H)
+
+    monkeypatch.setattr(cls, "route", spy)
+    with torch.no_grad():
+        evaluated = model(x, use_cache=False).logits
+        assert calls["route"] == 0
+        assert torch.equal(evaluated, trained.detach())
+        monkeypatch.setattr(depth_ops, "_ONE_PASS_MIN", x.numel() * 10**6)  # every input routed as decoding's
+        reference = model(x, use_cache=False).logits
+        assert calls["route"] == 10
+    assert_equal_fp32(evaluated, reference)
+
+
 @pytest.mark.parametrize("design", ["hc", "mhc"])
 def test_stream_backward_never_reruns_the_routing_forward(design, monkeypatch):
     """The backward rebuilds the coefficients from their saved inputs (``routing_rebuild``): no second pass of the
@@ -392,3 +425,24 @@ def test_inv_rms_and_read_and_mix(dtype):
     torch.testing.assert_close(x.double(), full[..., 0, :], rtol=tol * 10, atol=tol * 10)
     torch.testing.assert_close(mixed.double(), full[..., 1:, :], rtol=tol * 10, atol=tol * 10)
     assert x.is_contiguous() and x.untyped_storage().data_ptr() != mixed.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("tokens", [3, 512])  # slots below / above functional._ONE_PASS_MIN elements
+@pytest.mark.parametrize("partial", [False, True])
+def test_weighted_sum_both_forms(tokens, partial):
+    """``depth_ops._weighted_sum`` (the depth softmax's sum_k p_k v_k, + p_K P): the batched product for small slots
+    (decoding) and the per-slot in-place passes for large ones, both the float64 sum to fp32 rounding."""
+    from hf_depth.models.depth_ops import _weighted_sum
+
+    g = torch.Generator().manual_seed(2)
+    K, d = 9, 256
+    V = torch.randn(K, tokens, d, generator=g)
+    p = torch.softmax(torch.randn(K + partial, tokens, generator=g), 0)
+    P = torch.randn(tokens, d, generator=g) if partial else None
+    assert (V[0].numel() < functional._ONE_PASS_MIN) == (tokens == 3)
+    ref = (p[:K].double().unsqueeze(-1) * V.double()).sum(0)
+    if partial:
+        ref += p[K].double().unsqueeze(-1) * P.double()
+    got = _weighted_sum(p, V, P)
+    assert got.shape == (tokens, d) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)

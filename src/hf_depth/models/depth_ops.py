@@ -26,7 +26,7 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _acc_dtype, _masked_scores, inv_rms, mix_streams, read_and_mix, write_streams
+from .functional import _ONE_PASS_MIN, _acc_dtype, _masked_scores, inv_rms, mix_streams, read_and_mix, write_streams
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -160,7 +160,13 @@ def _partial_grad(do, p_last, dz_last, rp, zp, qg, Pa):
 
 
 def _weighted_sum(p, Va, Pa):
-    """sum_k p_k v_k (+ p_K P), one slot at a time, accumulated in place (einsum would copy V per token on CPU)."""
+    """sum_k p_k v_k (+ p_K P): one slot at a time, accumulated in place (einsum would copy V per token on CPU);
+    for slots of fewer than ``_ONE_PASS_MIN`` elements (decoding: a few tokens), where every op costs its dispatch
+    and K of them would grow with depth, one batched ``[1, K] @ [K, d]`` product per token instead."""
+    K = Va.shape[0]
+    if Va[0].numel() < _ONE_PASS_MIN:
+        out = torch.bmm(p[:K].t().unsqueeze(1), Va.transpose(0, 1)).squeeze(1)
+        return out if Pa is None else out.addcmul_(p[K].unsqueeze(-1), Pa)
     pk, vk = p.unsqueeze(-1).unbind(0), Va.unbind(0)  # the slots as views, by one call each
     out = pk[0] * vk[0]
     for k in range(1, len(vk)):
@@ -900,7 +906,12 @@ def stream_route(conn, s: int, H: torch.Tensor):
     (generation), ``conn.route`` itself: the same ops, nothing to save."""
     if not SourceBank.enabled() or not torch.is_grad_enabled():
         with torch.autocast(device_type=H.device.type, enabled=False):
-            return conn.route(H)
+            if not SourceBank.enabled() or dispatch.use_triton(H) or H.numel() < _ONE_PASS_MIN:
+                return conn.route(H)  # decoding (a few tokens): the reference's fewer ops
+            # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
+            # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
+            M, w, seen, _ = conn.routing_saved(H)
+            return (*read_and_mix(M, H), w, seen)
     x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
     seen, conn._seen_raw = conn._seen_raw, None
     return x, mixed, w, seen

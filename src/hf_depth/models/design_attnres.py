@@ -164,7 +164,8 @@ class DepthAggregation(nn.Module):
         out, p = depth_aggregate(self.query, self.key_norm.gamma(), sources, self.eps, stable)
         if self.scale_by_sources:  # K * mean at zero queries: the plain sum of the sources (attnres_scale_by_sources)
             out = out * len(sources)
-        self._last_weights = p.detach().flatten(0, -2).mean(0).float()  # token-averaged, for diagnostics
+        # token-averaged, for diagnostics (p is marked non-differentiable: a detach only where it is not)
+        self._last_weights = (p.detach() if p.requires_grad else p).flatten(0, -2).mean(0).float()
         return out
 
     def path_weights(self) -> dict[str, torch.Tensor] | None:

@@ -19,9 +19,13 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _FP32_ACC else torch.promote_types(dtype, torch.float32)
 
 
+_ACC_KEPT = frozenset({torch.float32, torch.float64})
+
+
 def _acc(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in its accumulation dtype (see ``_acc_dtype``)."""
-    return x.to(_acc_dtype(x.dtype))
+    """``x`` in its accumulation dtype (see ``_acc_dtype``); ``x`` itself, without a dispatcher call, when it is
+    already fp32 / float64 (the routing calls this on every parameter and stream of every sublayer)."""
+    return x if x.dtype in _ACC_KEPT else x.to(_acc_dtype(x.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -145,12 +149,13 @@ def write_streams(mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor, inplace
 def sinkhorn(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     """Log-domain Sinkhorn-Knopp in fp32: exp(logits) alternately row- then column-normalized ``iters`` times.
 
-    logits: [..., n, n]. After the last (column) step every column sums to 1 exactly; rows converge to 1.
+    logits: [..., n, n]. Each half-step z <- z - logsumexp(z) is ``log_softmax`` (the same iterate as one fused op,
+    not logsumexp's several plus a subtraction: a decoding step runs 2 ``iters`` of them per sublayer). After the
+    last (column) step every column sums to 1 exactly; rows converge to 1.
     """
     z = _acc(logits)
     for _ in range(iters):
-        z = z - torch.logsumexp(z, dim=-1, keepdim=True)
-        z = z - torch.logsumexp(z, dim=-2, keepdim=True)
+        z = torch.log_softmax(torch.log_softmax(z, dim=-1), dim=-2)
     return z.exp()
 
 
