@@ -427,19 +427,19 @@ def test_inv_rms_and_read_and_mix(dtype):
     assert x.is_contiguous() and x.untyped_storage().data_ptr() != mixed.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("tokens", [3, 512])  # slots below / above functional._ONE_PASS_MIN elements
+@pytest.mark.parametrize("tokens", [3, 512])  # at most / more than depth_ops._FEW_TOKENS
 @pytest.mark.parametrize("partial", [False, True])
 def test_weighted_sum_both_forms(tokens, partial):
-    """``depth_ops._weighted_sum`` (the depth softmax's sum_k p_k v_k, + p_K P): the batched product for small slots
-    (decoding) and the per-slot in-place passes for large ones, both the float64 sum to fp32 rounding."""
-    from hf_depth.models.depth_ops import _weighted_sum
+    """``depth_ops._weighted_sum`` (the depth softmax's sum_k p_k v_k, + p_K P): the batched product for a few tokens
+    (decoding) and the per-slot in-place passes for more, both the float64 sum to fp32 rounding."""
+    from hf_depth.models.depth_ops import _FEW_TOKENS, _weighted_sum
 
     g = torch.Generator().manual_seed(2)
     K, d = 9, 256
     V = torch.randn(K, tokens, d, generator=g)
     p = torch.softmax(torch.randn(K + partial, tokens, generator=g), 0)
     P = torch.randn(tokens, d, generator=g) if partial else None
-    assert (V[0].numel() < functional._ONE_PASS_MIN) == (tokens == 3)
+    assert (tokens <= _FEW_TOKENS) == (tokens == 3)
     ref = (p[:K].double().unsqueeze(-1) * V.double()).sum(0)
     if partial:
         ref += p[K].double().unsqueeze(-1) * P.double()
