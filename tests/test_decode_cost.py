@@ -68,3 +68,27 @@ def test_per_step_overheads_stay_removed():
     assert not [o for o in ops if "promote_types" in o or o.startswith("aten.bmm")], ops
     assert "__signature__" in vars(type(model).forward)
     assert inspect.signature(model.forward).parameters.keys() >= {"input_ids", "cache", "past_key_values"}
+
+
+def _ops(design: str, layers: int, **kw) -> list[str]:
+    torch.manual_seed(0)
+    model = hf_depth.model_for(design, vocab_size=256, hidden_size=32, num_hidden_layers=layers,
+                               num_attention_heads=2, **kw).eval()
+    return _step(model, 8).ops
+
+
+@pytest.mark.parametrize("design", sorted(hf_depth.DESIGNS))
+def test_decoding_step_ops_are_linear_in_depth(design):
+    """A decoding step is dispatch-bound, so its cost is its op count: every block adds the same number of ops,
+    however deep it sits (AttnRes' weighted sum over its growing list of sources is one batched product, not one
+    op per source)."""
+    counts = [len(_ops(design, layers)) for layers in (3, 6, 9)]
+    assert counts[2] - counts[1] == counts[1] - counts[0], counts
+
+
+def test_mhc_decoding_sinkhorn_is_one_op_per_half_step():
+    """mHC's Sinkhorn in a decoding step (the reference, ``functional.sinkhorn``): one ``log_softmax`` per
+    half-step, 2 x iters per sublayer, no ``logsumexp`` (several ops) plus a subtraction."""
+    ops = _ops("mhc", 2, mhc_sinkhorn_iters=7)
+    assert not [o for o in ops if "logsumexp" in o]
+    assert sum("_log_softmax" in o for o in ops) == 2 * 7 * 4
