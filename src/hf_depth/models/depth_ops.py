@@ -926,7 +926,10 @@ def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Te
     """``conn.depth(mixed, w, y)`` saving (w, y); the output carries the segment on to the next sublayer."""
     if not SourceBank.enabled() or not torch.is_grad_enabled():
         with torch.autocast(device_type=mixed.device.type, enabled=False):
-            return conn.depth(mixed, w, y)
+            if not SourceBank.enabled() or dispatch.use_triton(mixed):
+                return conn.depth(mixed, w, y)
+            # the CPU path writes into the route's own mixed streams, as ``_Write`` does (no fresh stream-sized output)
+            return write_streams(mixed, w, y, inplace=True)
     node = mixed.grad_fn
     seg = None
     if node is not None and getattr(node, "seg", None) is not None and getattr(node, "s", None) == s:

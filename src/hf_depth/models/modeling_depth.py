@@ -70,16 +70,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int = 1) -> torch.Tensor:
-    """RoPE of one [B, H, T, hd] tensor (``cos``/``sin`` are [B, T, hd]; ``head_dim=None``: already [B, 1, T, hd])."""
-    if head_dim is not None:
-        cos, sin = cos.unsqueeze(head_dim), sin.unsqueeze(head_dim)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+    """RoPE of one [B, H, T, hd] tensor (``cos``/``sin`` are [B, T, hd]; ``per_head``: already [B, 1, T, hd])."""
+    if not per_head:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return (x * cos) + (rotate_half(x) * sin)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # once for both (every decoding step runs this per layer)
-    return rotate(q, cos, sin, None), rotate(k, cos, sin, None)
+    return rotate(q, cos, sin, per_head=True), rotate(k, cos, sin, per_head=True)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
