@@ -907,8 +907,10 @@ class _Write(torch.autograd.Function):
 
 
 def stream_route(conn, s: int, H: torch.Tensor):
-    """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above). Without grad
-    (generation), ``conn.route`` itself: the same ops, nothing to save."""
+    """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above). Without grad, nothing
+    is saved: a prompt or an evaluation batch (at least ``_ONE_PASS_MIN`` stream elements, CPU) runs the training
+    forward's ops, the same values as training; a decoding step, ``torch.compile`` and the Triton path run
+    ``conn.route``."""
     if not SourceBank.enabled() or not torch.is_grad_enabled():
         with torch.autocast(device_type=H.device.type, enabled=False):
             if not SourceBank.enabled() or dispatch.use_triton(H) or H.numel() < _ONE_PASS_MIN:

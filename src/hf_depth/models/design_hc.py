@@ -216,8 +216,8 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
     @abc.abstractmethod
     def depth(self, mixed, write_weights, out):
         """Write the branch output ``out`` into the mixed streams: ``mixed + write_weights ⊗ out`` (the form
-        ``depth_ops`` differentiates by hand; its CPU training path writes that form in place by
-        ``functional.write_streams``, this hook serves decoding and the Triton path)."""
+        ``depth_ops`` differentiates by hand; on CPU, with or without autograd, ``depth_ops`` writes that form in
+        place by ``functional.write_streams``; this hook serves ``torch.compile`` and the Triton path)."""
 
     def path_weights(self) -> dict[str, torch.Tensor]:
         """Mixing weights in one convention for HC and mHC (fp32, detached):
