@@ -906,29 +906,34 @@ class _Write(torch.autograd.Function):
         return None, None, None, dH, dw, dy
 
 
+def _eager(x: torch.Tensor) -> bool:
+    """Whether streams like ``x`` take the hand-written CPU path (neither ``torch.compile`` nor Triton)."""
+    return SourceBank.enabled() and not dispatch.use_triton(x)
+
+
 def stream_route(conn, s: int, H: torch.Tensor):
     """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above). Without grad, nothing
     is saved: a prompt or an evaluation batch (at least ``_ONE_PASS_MIN`` stream elements, CPU) runs the training
     forward's ops, the same values as training; a decoding step, ``torch.compile`` and the Triton path run
     ``conn.route``."""
-    if not SourceBank.enabled() or not torch.is_grad_enabled():
-        with torch.autocast(device_type=H.device.type, enabled=False):
-            if not SourceBank.enabled() or dispatch.use_triton(H) or H.numel() < _ONE_PASS_MIN:
-                return conn.route(H)  # decoding (a few tokens): the reference's fewer ops
-            # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
-            # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
-            M, w, seen, _ = conn.routing_saved(H)
-            return (*read_and_mix(M, H), w, seen)
-    x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
-    seen, conn._seen_raw = conn._seen_raw, None
-    return x, mixed, w, seen
+    if SourceBank.enabled() and torch.is_grad_enabled():
+        x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
+        seen, conn._seen_raw = conn._seen_raw, None
+        return x, mixed, w, seen
+    with torch.autocast(device_type=H.device.type, enabled=False):
+        if not _eager(H) or H.numel() < _ONE_PASS_MIN:
+            return conn.route(H)  # decoding (a few tokens): the reference's fewer ops
+        # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
+        # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
+        M, w, seen, _ = conn.routing_saved(H)
+        return (*read_and_mix(M, H), w, seen)
 
 
 def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``conn.depth(mixed, w, y)`` saving (w, y); the output carries the segment on to the next sublayer."""
     if not SourceBank.enabled() or not torch.is_grad_enabled():
         with torch.autocast(device_type=mixed.device.type, enabled=False):
-            if not SourceBank.enabled() or dispatch.use_triton(mixed):
+            if not _eager(mixed):
                 return conn.depth(mixed, w, y)
             # the CPU path writes into the route's own mixed streams, as ``_Write`` does (no fresh stream-sized output)
             return write_streams(mixed, w, y, inplace=True)
