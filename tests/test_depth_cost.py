@@ -446,3 +446,25 @@ def test_weighted_sum_both_forms(tokens, partial):
     got = _weighted_sum(p, V, P)
     assert got.shape == (tokens, d) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [3, 128])  # a decoding-sized input (reference route) and a prompt
+def test_no_grad_write_goes_into_the_routes_mixed_streams(tokens, monkeypatch):
+    """Without autograd, the CPU write ``mixed + w y`` goes in place into the route's own mixed streams (as ``_Write``
+    does in training): the written state is that tensor, no fresh stream-sized output per sublayer."""
+    from hf_depth.models import depth_ops
+
+    model = _perturb(tiny_model("hc", num_hidden_layers=3, hidden_size=64))
+    x = torch.randint(2, 97, (2, tokens), generator=torch.Generator().manual_seed(3))
+    seen = []
+    real = depth_ops.write_streams
+
+    def spy(mixed, w, y, inplace=False):
+        out = real(mixed, w, y, inplace=inplace)
+        seen.append(out.data_ptr() == mixed.data_ptr())
+        return out
+
+    monkeypatch.setattr(depth_ops, "write_streams", spy)
+    with torch.no_grad():
+        model(x, use_cache=False)
+    assert seen == [True] * 6
