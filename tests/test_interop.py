@@ -111,10 +111,29 @@ def test_torch_compile_forward(design):
     x, mask = batch()
     torch._dynamo.reset()
     # aot_eager traces the whole forward through dynamo + AOTAutograd (what inductor consumes) in seconds on CPU
-    compiled = torch.compile(model, backend="aot_eager")
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)  # fullgraph: no data-dependent branch
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, attention_mask=mask).logits, model(x, attention_mask=mask).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_torch_compile_training_step(design):
+    """A training step traced whole (``fullgraph``: no graph break) gives eager's loss and every gradient, with
+    left padding (the masked rows are where data-dependent branches hide)."""
+    model = tiny_model(design).train()
+    x, mask = batch()
+    labels = x.masked_fill(mask == 0, -100)
+    model(x, attention_mask=mask, labels=labels).loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(x, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, model(x, attention_mask=mask, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_torch_compile_inductor_pre_ln():

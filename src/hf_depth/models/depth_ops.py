@@ -26,7 +26,16 @@ import weakref
 import torch
 
 from . import dispatch
-from .functional import _ONE_PASS_MIN, _acc_dtype, _masked_scores, inv_rms, mix_streams, read_and_mix, write_streams
+from .functional import (
+    _ONE_PASS_MIN,
+    _acc_dtype,
+    _masked_scores,
+    depth_softmax,
+    inv_rms,
+    mix_streams,
+    read_and_mix,
+    write_streams,
+)
 
 _BANK_ATTR = "_hf_depth_bank"
 
@@ -409,6 +418,10 @@ def depth_aggregate(query: torch.Tensor, key_weight: torch.Tensor | None, source
     fixed, rest = tuple(sources[:stable]), tuple(sources[stable:])
     if len(rest) > 1:
         raise ValueError(f"at most one partial source after the stable ones, got {len(rest)}")
+    if not SourceBank.enabled() and not dispatch.use_triton(fixed[0]):
+        # torch.compile without Triton (no bank: ``SourceBank.enabled``): the reference ops, which the compiler fuses
+        # and AOTAutograd differentiates, traced whole (``fullgraph``) with and without grad
+        return depth_softmax(query, key_weight, torch.stack(sources), eps)
     partial = rest[0] if rest else None
     bank = SourceBank.of(fixed[0])
     V = None if bank is None else bank.sync(fixed)
@@ -643,10 +656,15 @@ def _flash_mask(mask, t: int, tk: int, acc: torch.dtype, low: float):
 def _flash_exact(query, mask, depth_mask, n_depth: int) -> bool:
     """The flash path equals the reference unless some query row has no live score at all (a fully masked
     sequence row and no live depth slot): the reference's softmax is then uniform and its ``masked_fill`` passes
-    no gradient, which the kernel cannot reproduce."""
+    no gradient, which the kernel cannot reproduce. Under ``torch.compile`` the answer may not read the data (a
+    data-dependent branch breaks ``fullgraph``): where it would, the reference form runs, exact for every mask."""
     if query.device.type != "cpu":
         return False
-    if mask is None or (n_depth and (depth_mask is None or bool(depth_mask.any()))):
+    if mask is None or (n_depth and depth_mask is None):
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    if n_depth and bool(depth_mask.any()):
         return True
     live = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
     return bool(live.any(-1).all())
