@@ -9,6 +9,11 @@ For L in ``--layers`` (default 8 16 32 64) at a fixed width:
 3. greedy generation time / Pre-LN (KV cache, ``--new-tokens`` tokens after a ``--seq // 2`` prompt) at
    L in ``--gen-layers`` (default 32).
 
+``--compile`` times forward+backward of every model, Pre-LN included, under ``torch.compile`` (``--compile-backend``,
+default inductor: generated fused C++ kernels on CPU); the first call of each, which compiles, is the warm-up
+(minutes per model at L = 32 on CPU). The issue-12 time targets are eager targets: a compiled run prints its
+ratios but no PASS/FAIL for them.
+
 CPU timings share the machine: run with ``OMP_NUM_THREADS=1``. Every round times each design right after a
 Pre-LN step (a pair) and takes their ratio; the median over ``--rounds`` rounds of those paired ratios is printed,
 so load that drifts between rounds cancels. The issue-12 targets (``MEMORY_CAPS``, ``TIME_TARGETS``, flat memory)
@@ -18,6 +23,7 @@ are checked at the end, one PASS/FAIL line each, next to the analytic FLOP floor
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py
     python benchmarks/bench_depth_cost.py --designs pre_ln attnres --layers 8 64 --time-layers 32
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py --generate --gen-hidden 64 --gen-layers 32
+    OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py --designs moda hc --skip-memory --gen-layers --compile
 """
 
 from __future__ import annotations
@@ -90,10 +96,14 @@ def flop_floor(name, d, L, heads, vocab, T) -> float:
     return 1.0 + (f["extra_matmul"] + f["extra_other"]) / base
 
 
-def fwd_bwd(model, x):
+def fwd_bwd(model, x, backend: str | None = None):
+    """One training step of ``model`` (``backend``: under ``torch.compile`` with that backend; the parameters
+    and their gradients stay the model's own)."""
+    run = model if backend is None else torch.compile(model, backend=backend)
+
     def step():
         model.zero_grad(set_to_none=True)
-        model(x, labels=x, use_cache=False).loss.backward()
+        run(x, labels=x, use_cache=False).loss.backward()
 
     return step
 
@@ -167,6 +177,8 @@ def main(argv=None):
     p.add_argument("--generate", action="store_true",
                    help="only the greedy-generation table (no memory, no forward+backward)")
     p.add_argument("--gen-hidden", type=int, default=None, help="width of the generation models (default --hidden)")
+    p.add_argument("--compile", action="store_true", help="time forward+backward under torch.compile (every model)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
     a = p.parse_args(argv)
     designs = ["pre_ln"] + [d for d in a.designs if d != "pre_ln"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -194,7 +206,9 @@ def main(argv=None):
     cells, cols, times = {}, [], {}
     for L in a.time_layers:
         models = {n: build(n, a.hidden, L, a.heads, a.vocab, device).train() for n in designs}
-        r, base_t = paired_ratios({n: fwd_bwd(m, x) for n, m in models.items()}, "pre_ln", device, a.rounds)
+        backend = a.compile_backend if a.compile else None
+        steps = {n: fwd_bwd(m, x, backend) for n, m in models.items()}
+        r, base_t = paired_ratios(steps, "pre_ln", device, a.rounds)
         cols += [f"L={L}", f"FLOP floor L={L}"]
         for n in designs[1:]:
             times[(n, L)] = r[n]
@@ -202,15 +216,18 @@ def main(argv=None):
             cells[(n, f"FLOP floor L={L}")] = f"{flop_floor(n, a.hidden, L, a.heads, a.vocab, a.seq):.3f}"
         cells[("pre_ln", f"L={L}")] = f"1.00 ({base_t * 1e3:.0f} ms)"
         if device.type == "cuda":
-            peaks = {n: peak_bytes(fwd_bwd(m, x), device) for n, m in models.items()}
+            peaks = {n: peak_bytes(step, device) for n, step in steps.items()}
             cols.append(f"peak L={L}")
             for n in designs:
                 cells[(n, f"peak L={L}")] = f"{peaks[n] / peaks['pre_ln']:.2f}"
-        del models
+        del models, steps
     if cols:  # ``--time-layers`` with no values: no time table
-        print(table(f"forward+backward time / Pre-LN (d={a.hidden}, T={a.seq}, B={a.batch}; median of {a.rounds} "
-                    "rounds of paired ratios)", designs, cols, cells))
-    print(targets(designs, a.layers, mem, times))
+        regime = f"torch.compile backend={a.compile_backend}; " if a.compile else ""
+        print(table(f"forward+backward time / Pre-LN ({regime}d={a.hidden}, T={a.seq}, B={a.batch}; median of "
+                    f"{a.rounds} rounds of paired ratios)", designs, cols, cells))
+    print(targets(designs, a.layers, mem, {} if a.compile else times))
+    if a.compile:
+        print("(the issue-12 time targets are eager targets: not checked under --compile)\n")
 
     print(generation_table(designs, a, device))
 
