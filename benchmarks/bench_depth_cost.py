@@ -177,9 +177,17 @@ def main(argv=None):
     p.add_argument("--generate", action="store_true",
                    help="only the greedy-generation table (no memory, no forward+backward)")
     p.add_argument("--gen-hidden", type=int, default=None, help="width of the generation models (default --hidden)")
-    p.add_argument("--compile", action="store_true", help="time forward+backward under torch.compile (every model)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend for --compile")
+    p.add_argument("--compile", action="store_true",
+                   help="time forward+backward (not generation) under torch.compile, every model")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend for --compile (one of torch._dynamo.list_backends(exclude_tags=()))")
     a = p.parse_args(argv)
+    if a.compile:  # before any model is built or measured: a wrong name costs nothing
+        try:
+            torch._dynamo.lookup_backend(a.compile_backend)
+        except torch._dynamo.exc.InvalidBackend:
+            p.error(f"--compile-backend: unknown torch.compile backend {a.compile_backend!r}; available: "
+                    f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     designs = ["pre_ln"] + [d for d in a.designs if d != "pre_ln"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"device={device} threads={torch.get_num_threads()} designs={len(designs)}\n")

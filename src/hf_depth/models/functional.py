@@ -19,13 +19,11 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _FP32_ACC else torch.promote_types(dtype, torch.float32)
 
 
-_ACC_KEPT = frozenset({torch.float32, torch.float64})
-
-
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """``x`` in its accumulation dtype (see ``_acc_dtype``); ``x`` itself, without a dispatcher call, when it is
-    already fp32 / float64 (the routing calls this on every parameter and stream of every sublayer)."""
-    return x if x.dtype in _ACC_KEPT else x.to(_acc_dtype(x.dtype))
+    already in it (the routing calls this on every parameter and stream of every sublayer)."""
+    acc = _acc_dtype(x.dtype)
+    return x if acc == x.dtype else x.to(acc)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
