@@ -164,18 +164,23 @@ def test_slot_gradients_accumulate_once_per_backward(design):
     x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
     with reference_paths():
         _, ref = _logits_and_grads(model, x, None)
-    grads_seen, real_grad = [], depth_ops.SourceBank.grad
+    grads_seen, real_grad, real_records = [], depth_ops.SourceBank.grad, depth_ops.SourceBank.records
 
     def spy_grad(self, dtype):
         buf = real_grad(self, dtype)
         grads_seen.append(buf.data_ptr())
         return buf
 
+    def spy_records(self, *args):  # MoDA's native kernel: the per-backward record of its consumers instead of the buffer
+        recs = real_records(self, *args)
+        grads_seen.append(id(recs))
+        return recs
+
     model.zero_grad(set_to_none=True)
     out = model(x, labels=x, use_cache=False)
     loss = out.logits.pow(2).mean() + out.loss
     params = [p for p in model.parameters() if p.requires_grad]
-    depth_ops.SourceBank.grad = spy_grad
+    depth_ops.SourceBank.grad, depth_ops.SourceBank.records = spy_grad, spy_records
     try:
         loss.backward(retain_graph=True)
         first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -185,7 +190,7 @@ def test_slot_gradients_accumulate_once_per_backward(design):
         third = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
                          torch.autograd.grad(loss, params, allow_unused=True)))
     finally:
-        depth_ops.SourceBank.grad = real_grad
+        depth_ops.SourceBank.grad, depth_ops.SourceBank.records = real_grad, real_records
     assert grads_seen, "the bank path was not taken"
     for got in (first, second, {n: g for n, g in third.items() if g is not None}):
         assert got.keys() == ref.keys()

@@ -14,6 +14,10 @@ The plain autograd form of these designs keeps a stacked copy of every earlier s
   ``saved_tensors_hooks`` -- the activation counter, CPU offloading -- see everything), and recompute the
   normalized keys, logits and softmax in backward.
 
+On CPU (fp32, outside ``torch.compile``) MoDA's depth part runs the native kernel of ``hf_depth.native`` (one pass
+over each bank per direction; each slot's gradient summed once, by its first reader, from the consumers' records);
+the eager form below is its fallback and reference.
+
 Numerics: the same function as ``functional.depth_softmax`` / ``functional.moda_attention`` (fp32 inside);
 gradients are the analytic ones, equal to autograd of the references up to fp32 rounding (tests compare both
 at every design and several depths). The Triton depth-softmax kernel reads ``bank[:K]`` in place.
@@ -26,6 +30,11 @@ import weakref
 import torch
 
 from . import dispatch
+
+try:  # the native CPU kernels; a folder saved for trust_remote_code has no such package: the eager forms run
+    from hf_depth import native
+except ImportError:
+    native = None
 from .functional import (
     _ONE_PASS_MIN,
     _acc_dtype,
@@ -55,6 +64,7 @@ class SourceBank:
         self.count = 0
         self.fresh = 0  # the first slot the last ``sync`` wrote (= its length when it wrote none)
         self._grad = None  # (graph task id, [capacity, *shape] gradient accumulator), see ``grad``
+        self._records = None  # (graph task id, [(weights, x)] of the native MoDA consumers), see ``slot_grads``
         self.two: TwoPhase | None = None  # the consumers' static queries (AttnRes two-phase form), see ``TwoPhase``
 
     @staticmethod
@@ -103,8 +113,28 @@ class SourceBank:
             self._grad = (task, torch.zeros(self.data.shape, dtype=dtype, device=self.data.device))
         return self._grad[1]
 
+    def records(self):
+        """The running backward's ``native.SlotGrads``: each native MoDA consumer leaves its (weights, x) there
+        instead of adding ``weights[j] x`` into every slot j of ``grad`` (a read and a write of the bank per
+        consumer), and ``slot_grads`` sums each slot once, for its first reader."""
+        task = torch._C._current_graph_task_id()
+        if self._records is None or self._records[0] != task:
+            self._records = (task, native.SlotGrads(self.data.shape))
+        return self._records[1]
+
+    def slot_grads(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slots [lo, hi)'s total gradient in the running backward: the native consumers' records (summed once)
+        plus what eager consumers added into ``grad``."""
+        task = torch._C._current_graph_task_id()
+        recs = self._records[1] if self._records is not None and self._records[0] == task else None
+        acc = self._grad[1][lo:hi] if self._grad is not None and self._grad[0] == task else None
+        if recs is None:
+            return self.grad(dtype)[lo:hi] if acc is None else acc
+        out = recs.grads(lo, hi)
+        return out if acc is None else out.add_(acc)
+
     def release_grad(self) -> None:
-        self._grad = None
+        self._grad = self._records = None
         if self.two is not None:
             self.two.release()
 
@@ -573,33 +603,67 @@ class _MoDAAttention(torch.autograd.Function):
             dq = dq + _depth_mix(dd, dkr)
             dd = dd.movedim(-1, 0).unsqueeze(-1)  # [D, B, H, T, 1]
             pd = p[..., tk:].movedim(-1, 0).unsqueeze(-1)  # [D, B, H, T, 1]
-            grads = _moda_depth_grads(ctx, dk, dv, dd, q, pd, do, n_rep)
+            grads = _moda_depth_grads(ctx, dk, dv, acc, _depth_grads_adder(dd, q, pd, do, n_rep))
         return (dq.to(query.dtype), dkey, dvalue, None, None, None, None, None, None, *grads)
 
 
-def _moda_depth_grads(ctx, dk, dv, dd, q, pd, do, n_rep) -> tuple:
-    """(dK_0, dV_0, dK_1, dV_1, ...): accumulated in the banks' gradients in place and handed on by each slot's
-    first reader (see ``SourceBank.grad``); without banks, one tensor per slot."""
-    D = dk.shape[0]
+def _depth_grads_adder(dd, q, pd, do, n_rep):
+    """The eager accumulation of the depth slots' gradients: gK += dd q, gV += p dO (dd, p as [D, B, H, T, 1])."""
+
+    def add(Gk, Gv):
+        if n_rep == 1:
+            Gk.addcmul_(dd, q.unsqueeze(0))
+            Gv.addcmul_(pd, do.unsqueeze(0))
+        else:
+            Gk.add_(_group_sum(dd * q.unsqueeze(0), n_rep, 2))
+            Gv.add_(_group_sum(pd * do.unsqueeze(0), n_rep, 2))
+
+    return add
+
+
+def _moda_depth_grads(ctx, dk, dv, acc, add=None, records=None) -> tuple:
+    """(dK_0, dV_0, dK_1, dV_1, ...), handed on by each slot's first reader (see ``SourceBank.grad``): this
+    consumer either adds its part into the banks' gradients in place (``add(Gk, Gv)``, the eager form) or leaves
+    ``records`` = ((dd, q), (p, dO)) for ``SourceBank.slot_grads`` (the native kernel). Without banks (this call
+    is every slot's only reader), fresh [D, ...] buffers."""
+    D, kv_heads = dk.shape[0], dk.shape[2]
     if ctx.banks is None:
-        gk = _group_sum(dd * q.unsqueeze(0), n_rep, 2).to(dk.dtype)
-        gv = _group_sum(pd * do.unsqueeze(0), n_rep, 2).to(dv.dtype)
-        return tuple(g for pair in zip(gk.unbind(0), gv.unbind(0)) for g in pair)
+        if records is not None:
+            Gk, Gv = (native.moda_slot_grads([w], [x], 0, D, kv_heads) for w, x in records)
+        else:
+            Gk, Gv = dk.new_zeros(dk.shape, dtype=acc), dv.new_zeros(dv.shape, dtype=acc)
+            add(Gk, Gv)
+        return tuple(g for pair in zip(Gk.to(dk.dtype).unbind(0), Gv.to(dv.dtype).unbind(0)) for g in pair)
     (kb, vb), (fk, fv) = ctx.banks, ctx.fresh
-    Gk, Gv = kb.grad(q.dtype)[:D], vb.grad(q.dtype)[:D]
-    if n_rep == 1:
-        Gk.addcmul_(dd, q.unsqueeze(0))
-        Gv.addcmul_(pd, do.unsqueeze(0))
+    if records is not None:
+        kb.records().add(*records[0])
+        vb.records().add(*records[1])
     else:
-        Gk.add_(_group_sum(dd * q.unsqueeze(0), n_rep, 2))
-        Gv.add_(_group_sum(pd * do.unsqueeze(0), n_rep, 2))
-    grads = tuple(g for i in range(D) for g in (Gk[i].to(dk.dtype) if i >= fk else None,
-                                                Gv[i].to(dv.dtype) if i >= fv else None))
+        add(kb.grad(acc)[:D], vb.grad(acc)[:D])
+    Gk, Gv = kb.slot_grads(fk, D, acc), vb.slot_grads(fv, D, acc)
+    grads = tuple(g for i in range(D) for g in (Gk[i - fk].to(dk.dtype) if i >= fk else None,
+                                                Gv[i - fv].to(dv.dtype) if i >= fv else None))
     if fk == 0:
         kb.release_grad()
     if fv == 0:
         vb.release_grad()
     return grads
+
+
+def _live(depth_mask, n: int):
+    """A [n] depth mask as the native kernel's uint8 live flags (None: every slot live); another shape: False."""
+    if depth_mask is None:
+        return None
+    if depth_mask.shape != (n,):
+        return False
+    return depth_mask.to(torch.uint8).contiguous()
+
+
+def _native(q, dk, dv, o, lse, live) -> bool:
+    """Whether the native CPU kernel (``hf_depth.native``) runs MoDA's depth part for these tensors (never under
+    ``torch.compile``: a ctypes call is opaque to it, the eager form's ops trace)."""
+    return (live is not False and native is not None and not torch.compiler.is_compiling() and q.dtype == torch.float32 and native.library() is not None
+            and native.moda_depth_supported(q, dk, dv, o, lse, live))
 
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -686,13 +750,17 @@ class _MoDAFlash(torch.autograd.Function):
         out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=amask, scale=scaling)
         o = out.transpose(1, 2)  # [B, T, H, hd], contiguous
         if dk is not None:
-            sd = _depth_dot(q, dk.to(acc), n_rep) * scaling
-            if depth_mask is not None:
-                sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
-            total = torch.logaddexp(lse, torch.logsumexp(sd, dim=-1))
-            o = o * torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
-            o = o + _depth_mix_gqa(torch.exp(sd - total.unsqueeze(-1)), dv.to(acc), n_rep).transpose(1, 2)
-            lse = total
+            dka, dva, live = dk.to(acc), dv.to(acc), _live(depth_mask, dk.shape[0])
+            if _native(q, dka, dva, o, lse, live):  # o and lse become the joint softmax's, in place
+                native.moda_depth_forward(q, dka, dva, o, lse, live, scaling)
+            else:
+                sd = _depth_dot(q, dka, n_rep) * scaling
+                if depth_mask is not None:
+                    sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
+                total = torch.logaddexp(lse, torch.logsumexp(sd, dim=-1))
+                o = o * torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
+                o = o + _depth_mix_gqa(torch.exp(sd - total.unsqueeze(-1)), dva, n_rep).transpose(1, 2)
+                lse = total
         ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv, o, lse)
         ctx.scaling, ctx.n_depth = scaling, len(depth)
         ctx.banks = banks
@@ -713,18 +781,23 @@ class _MoDAFlash(torch.autograd.Function):
                                       scale=ctx.scaling)
         grads = ()
         if dk is not None:
-            dka, dva = dk.to(acc), dv.to(acc)
-            sd = _depth_dot(q, dka, n_rep) * ctx.scaling
-            if depth_mask is not None:
-                sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
-            pd = torch.exp(sd - lse.unsqueeze(-1))
-            rowsum = (do_t * o).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
-            dd = pd * (_depth_dot(do, dva, n_rep) - rowsum) * ctx.scaling
-            if depth_mask is not None:
-                dd = dd.masked_fill(~depth_mask.to(torch.bool), 0.0)
-            dq = dq + _depth_mix_gqa(dd, dka, n_rep)
-            grads = _moda_depth_grads(ctx, dk, dv, dd.movedim(-1, 0).unsqueeze(-1), q,
-                                      pd.movedim(-1, 0).unsqueeze(-1), do, n_rep)
+            dka, dva, live = dk.to(acc), dv.to(acc), _live(depth_mask, dk.shape[0])
+            if _native(q, dka, dva, o, lse, live) and dq.dtype == acc:  # one pass over each bank
+                pd, dd = native.moda_depth_backward(q, do, dq, dka, dva, o, lse, live, ctx.scaling)
+                grads = _moda_depth_grads(ctx, dk, dv, acc, records=((dd, q), (pd, do)))
+            else:
+                sd = _depth_dot(q, dka, n_rep) * ctx.scaling
+                if depth_mask is not None:
+                    sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
+                pd = torch.exp(sd - lse.unsqueeze(-1))
+                rowsum = (do_t * o).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, T, 1]
+                dd = pd * (_depth_dot(do, dva, n_rep) - rowsum) * ctx.scaling
+                if depth_mask is not None:
+                    dd = dd.masked_fill(~depth_mask.to(torch.bool), 0.0)
+                dq = dq + _depth_mix_gqa(dd, dka, n_rep)
+                add = _depth_grads_adder(dd.movedim(-1, 0).unsqueeze(-1), q, pd.movedim(-1, 0).unsqueeze(-1), do,
+                                         n_rep)
+                grads = _moda_depth_grads(ctx, dk, dv, acc, add)
         return (dq.to(query.dtype), dkey.to(key.dtype), dvalue.to(value.dtype), None, None, None, None, None, None,
                 *grads)
 

@@ -94,7 +94,8 @@ def kernel_report() -> dict:
     ``{"mode", "triton" (its version, or None), "unavailable" (why the kernels cannot be imported, or None),
     "ops": {op: {"kernel": bool, "cuda": ..., "cpu": ...}}}``: each path is ``"triton"``, ``"reference"`` or
     ``"error"`` (what ``HF_DEPTH_KERNELS=triton`` raises where Triton cannot serve the op). Imports nothing new
-    when Triton is absent; ``hf-depth kernels`` prints it.
+    when Triton is absent; ``hf-depth kernels`` prints it. ``"native"``: the native CPU kernels'
+    ``hf_depth.native.status()`` (MoDA's depth part on CPU; ``HF_DEPTH_NATIVE=0`` turns them off).
     """
     m = mode()
     k = _kernels()
@@ -112,7 +113,16 @@ def kernel_report() -> dict:
             cpu = "triton" if has and interpret else "error"
         ops[name] = {"kernel": has, "cuda": cuda, "cpu": cpu}
     return {"mode": m, "triton": getattr(getattr(k, "triton", None), "__version__", None) if k else None,
-            "unavailable": None if k else _KERNELS_ERROR, "ops": ops}
+            "unavailable": None if k else _KERNELS_ERROR, "ops": ops, "native": _native_status()}
+
+
+def _native_status() -> dict:
+    """``hf_depth.native.status()``: the native CPU kernels (MoDA's depth part), built on first use."""
+    try:
+        from hf_depth import native
+    except ImportError as e:  # a folder saved for trust_remote_code: no such package, the eager forms run
+        return {"enabled": False, "available": False, "why": f"ImportError: {e}", "ops": []}
+    return native.status()
 
 
 def format_kernel_report(report: dict | None = None) -> str:
@@ -120,6 +130,10 @@ def format_kernel_report(report: dict | None = None) -> str:
     r = kernel_report() if report is None else report
     head = f"HF_DEPTH_KERNELS={r['mode']}; triton " + (r["triton"] or f"unavailable ({r['unavailable']})")
     rows = [f"  {name:<17} cuda: {o['cuda']:<9} cpu: {o['cpu']}" for name, o in r["ops"].items()]
+    n = r.get("native")
+    if n is not None:
+        state = "in use" if n["available"] else f"not used ({n['why']})"
+        rows.append(f"native CPU kernels ({', '.join(n['ops']) or '-'}): {state}")
     return "\n".join([head, *rows])
 
 

@@ -1,0 +1,269 @@
+"""Native CPU kernels: fused C loops for CPU work that eager PyTorch can only do in several memory-bound passes.
+
+Today one op: MoDA's depth part (``moda_depth.c``), the per-token scores against the depth K/V banks, their merge
+with the sequence softmax and the weighted sum of the depth values, and its backward, reading each bank once per
+direction (eager PyTorch streams them four to five times per step, through per-token batched products at a fraction
+of the memory bandwidth). ``hf_depth.models.depth_ops`` calls it on CPU for fp32 accumulation; the eager form stays
+the reference and the fallback (tests compare both).
+
+The C source ships with the package and is compiled on first use with the system C compiler (``$CC``, else
+``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no Python or torch headers, loaded with ``ctypes``, which
+releases the GIL, so ``torch.get_num_threads()`` threads split the work) into a cache folder
+(``$HF_DEPTH_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/hf_depth/native`` or ``~/.cache/hf_depth/native``), keyed by
+the source, the compiler, its flags and the CPU, and written atomically. Without a compiler, or when compiling
+fails, a warning says why (once) and the eager form runs: the result is the same function either way.
+
+``HF_DEPTH_KERNELS=torch`` (the references only) or ``HF_DEPTH_NATIVE=0`` turn the native path off; ``status()``
+(and ``hf-depth kernels``) says whether it is in use and why not. A folder saved for ``trust_remote_code`` does
+not carry this package: there the eager form runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+SOURCES = ("moda_depth.c",)
+#: the native ops, by what they serve
+OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)"}
+_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c99")
+_ARCH = ("-march=native",)
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None | bool = None  # None: not tried; False: unavailable (see _WHY)
+_WHY: str | None = None
+_POOL: ThreadPoolExecutor | None = None
+
+
+def enabled() -> bool:
+    """Whether the environment allows the native path (it may still be unavailable: ``status()``)."""
+    if os.environ.get("HF_DEPTH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return os.environ.get("HF_DEPTH_KERNELS", "auto").strip().lower() != "torch"
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc.split()[0]):
+            return cc
+    return None
+
+
+def _cpu_id() -> str:
+    try:  # the CPU's instruction-set flags: an -march=native library never runs on a CPU that lacks them
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("HF_DEPTH_NATIVE_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hf_depth" / "native"
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+    here = Path(__file__).parent
+    source = b"".join((here / s).read_bytes() for s in SOURCES)
+    version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=60).stdout
+    errors = []
+    for arch in (_ARCH, ()):  # -march=native first; a compiler that does not know it builds generic code
+        flags = (*_FLAGS, *arch)
+        key = hashlib.sha256(b"\0".join([source, cc.encode(), version.encode(), " ".join(flags).encode(),
+                                          _cpu_id().encode()])).hexdigest()[:16]
+        folder = cache_dir()
+        target = folder / f"hf_depth_native_{key}.so"
+        if not target.exists():
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                folder = Path(tempfile.gettempdir()) / "hf_depth_native"
+                folder.mkdir(parents=True, exist_ok=True)
+                target = folder / target.name
+        if not target.exists():
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(fd)
+            cmd = [*cc.split(), *flags, "-o", tmp, *(str(here / s) for s in SOURCES), "-lm"]
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if run.returncode != 0:
+                os.unlink(tmp)
+                errors.append(f"{' '.join(cmd)}: {run.stderr.strip()[-400:]}")
+                continue
+            os.replace(tmp, target)  # atomic: a concurrent process sees the old state or the whole library
+        return _bind(ctypes.CDLL(str(target)))
+    raise RuntimeError("compiling the native kernels failed: " + " | ".join(errors))
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    P, N, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float  # pointer, integer, float
+    lib.hfd_moda_depth_fwd.argtypes = [P, P, P, P, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
+    lib.hfd_moda_depth_bwd.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
+    lib.hfd_moda_slot_grads.argtypes = [N, P, P, P, P, P, N, N, N, N, N, N, N, N, N]
+    for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads):
+        fn.restype = ctypes.c_int
+    lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
+    lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled library, or None (disabled, or unavailable: ``status()`` says why; warned once)."""
+    global _LIB, _WHY
+    if not enabled():
+        return None
+    if _LIB is None:
+        with _LOCK:
+            if _LIB is None:
+                try:
+                    _LIB = _build()
+                except Exception as e:  # no compiler, a failed build, an unwritable cache: the eager form runs
+                    _LIB, _WHY = False, f"{type(e).__name__}: {e}"
+                    warnings.warn(f"hf_depth native CPU kernels unavailable, using the PyTorch forms ({_WHY})",
+                                  RuntimeWarning, stacklevel=2)
+    return _LIB or None
+
+
+def status() -> dict:
+    """``{"enabled", "available", "why"}`` for the native path, building it if enabled and not yet tried."""
+    on = enabled()
+    lib = library() if on else None
+    why = None if lib is not None else ("disabled (HF_DEPTH_NATIVE=0 or HF_DEPTH_KERNELS=torch)" if not on else _WHY)
+    return {"enabled": on, "available": lib is not None, "why": why, "ops": list(OPS)}
+
+
+def _parallel(fn, items: int, min_items: int = 8) -> None:
+    """``fn(lo, hi)`` over [0, items), split over ``torch.get_num_threads()`` threads (ctypes drops the GIL)."""
+    global _POOL
+    threads = min(torch.get_num_threads(), items // min_items)
+    if threads <= 1:
+        _check(fn(0, items))
+        return
+    if _POOL is None or _POOL._max_workers < threads:
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hf_depth_native")
+    bounds = [items * i // threads for i in range(threads + 1)]
+    for f in [_POOL.submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]:
+        _check(f.result())
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise MemoryError("hf_depth native kernel: workspace allocation failed")
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _strides(t: torch.Tensor):
+    return (ctypes.c_int64 * t.dim())(*t.stride())
+
+
+def moda_depth_supported(q, K, V, o, lse, live) -> bool:
+    """Whether the native MoDA depth kernel takes these (fp32 CPU tensors in its layouts; see ``moda_depth.c``)."""
+    B, H, T, hd = q.shape
+    D, Hkv = K.shape[0], K.shape[2]
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, K, V, o, lse))
+            and K.shape == V.shape == (D, B, Hkv, T, hd) and H % Hkv == 0 and K.stride(-1) == V.stride(-1) == 1
+            and o.shape == (B, T, H, hd) and o.is_contiguous() and lse.shape == (B, H, T)
+            and (live is None or (live.shape == (D,) and live.dtype == torch.uint8 and live.is_contiguous())))
+
+
+def moda_depth_forward(q, K, V, o, lse, live, scaling: float) -> None:
+    """In place: ``o`` [B, T, H, hd] and ``lse`` [B, H, T] (the sequence attention's; any strides) become the joint
+    softmax's over [sequence | the depth slots of K, V [D, B, Hkv, T, hd] (any strides, the last 1)]; ``live`` [D]
+    uint8 or None."""
+    lib = library()
+    B, H, T, hd = q.shape
+    D, Hkv = K.shape[0], K.shape[2]
+    sq, sl = _strides(q), _strides(lse)
+    args = (_ptr(q), sq, _ptr(K), _strides(K), _ptr(V), _strides(V), _ptr(o), _ptr(lse), sl, _ptr(live), D, B, H,
+            Hkv, T, hd, scaling)
+    _parallel(lambda lo, hi: lib.hfd_moda_depth_fwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T))
+
+
+def moda_depth_backward(q, dout, dq, K, V, o, lse, live, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``dq`` [B, H, T, hd] += the depth part of the query gradient. Returns (p, dd) [D, B, H, T]: the
+    depth probabilities and score gradients, from which ``moda_slot_grads`` sums the slots' gradients once.
+    ``o``, ``lse``: the joint output and log-sum-exp; ``dout`` [B, H, T, hd] the output gradient (fp32)."""
+    lib = library()
+    B, H, T, hd = q.shape
+    D, Hkv = K.shape[0], K.shape[2]
+    if not (dout.dtype == dq.dtype == torch.float32 and dq.shape == dout.shape == q.shape):
+        raise ValueError("moda_depth_backward: dq and dout must be fp32 tensors of q's shape")
+    p, dd = (torch.empty((D, B, H, T), dtype=torch.float32) for _ in range(2))
+    sq, sd, sg, sl = _strides(q), _strides(dout), _strides(dq), _strides(lse)
+    args = (_ptr(q), sq, _ptr(dout), sd, _ptr(dq), sg, _ptr(K), _strides(K), _ptr(V), _strides(V), _ptr(o),
+            _ptr(lse), sl, _ptr(live), _ptr(p), _ptr(dd), D, B, H, Hkv, T, hd, scaling)
+    _parallel(lambda lo, hi: lib.hfd_moda_depth_bwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T))
+    return p, dd
+
+
+class SlotGrads:
+    """The depth-slot gradients of one bank in one backward: each native consumer ``add`` s its (weights
+    [D_i, B, H, T], x [B, H, T, hd]) -- (dd, q) for keys, (p, dO) for values -- and a slot's first reader asks
+    ``grads(lo, hi)``: sum_i sum_(heads of a kv head) weights_i[j] x_i for slots [lo, hi), written once into views of
+    one [capacity, B, Hkv, T, hd] fp32 buffer (no per-consumer read and write of the whole gradient bank)."""
+
+    def __init__(self, bank_shape):
+        self.shape = tuple(bank_shape)
+        self.out = None
+        self.keep, self.w, self.x, self.n_slots, self.strides = [], [], [], [], []
+
+    def add(self, w: torch.Tensor, x: torch.Tensor) -> None:
+        _, B, Hkv, T, hd = self.shape
+        if not (w.is_contiguous() and w.dtype == x.dtype == torch.float32 and w.device.type == x.device.type == "cpu"
+                and w.shape[1:] == x.shape[:3] and x.shape[0] == B and x.shape[2] == T and x.shape[3] == hd
+                and x.shape[1] % Hkv == 0 and (not self.keep or x.shape[1] == self.keep[0][1].shape[1])):
+            raise ValueError(f"SlotGrads.add: weights [D, B, H, T] contiguous fp32 and x [B, H, T, hd] fp32 (the same H "
+                             f"for every consumer) for a bank {list(self.shape)}, got {list(w.shape)} and {list(x.shape)}")
+        self.keep.append((w, x))
+        self.w.append(w.data_ptr())
+        self.x.append(x.data_ptr())
+        self.n_slots.append(w.shape[0])
+        self.strides.extend(x.stride())
+
+    def grads(self, lo: int, hi: int) -> torch.Tensor:
+        """[hi - lo, B, Hkv, T, hd] fp32, a view of the buffer (zeros for a slot no consumer read)."""
+        _, B, Hkv, T, hd = self.shape
+        if self.out is None:
+            self.out = torch.empty(self.shape, dtype=torch.float32)
+        G = self.out[lo:hi]
+        if hi <= lo:
+            return G
+        if not self.keep:
+            return G.zero_()
+        lib, n = library(), len(self.w)
+        H = self.keep[0][1].shape[1]
+        args = (n, (ctypes.c_void_p * n)(*self.w), (ctypes.c_int64 * n)(*self.n_slots), (ctypes.c_void_p * n)(*self.x),
+                (ctypes.c_int64 * (4 * n))(*self.strides), _ptr(G), lo, hi, B, H, Hkv, T, hd)
+        _parallel(lambda a, b: lib.hfd_moda_slot_grads(*args, a, b), lib.hfd_moda_grad_items(B, T), min_items=2)
+        return G
+
+
+def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tensor:
+    """``SlotGrads.grads`` of the consumers (weights[i], xs[i]) for slots [lo, hi) (a fresh buffer)."""
+    B, H, T, hd = xs[0].shape
+    acc = SlotGrads((max(w.shape[0] for w in weights), B, kv_heads, T, hd))
+    for w, x in zip(weights, xs):
+        acc.add(w, x)
+    return acc.grads(lo, hi)
+

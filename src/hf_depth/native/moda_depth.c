@@ -1,0 +1,233 @@
+/* MoDA's depth part on CPU in fp32, reading each depth bank once per direction (``hf_depth.native``).
+ *
+ * The same function as hf_depth.models.depth_ops._MoDAFlash's depth terms (its eager form):
+ *   forward   s_j = scaling q . K_j (j live),  tot = logaddexp(lse, logsumexp_j s_j),
+ *             o <- o exp(lse - tot) + sum_j exp(s_j - tot) V_j,   lse <- tot
+ *   backward  p_j = exp(s_j - tot),  dd_j = p_j (dO . V_j - dO . o) scaling,  dq += sum_j dd_j K_j
+ *             (masked slots: p_j = dd_j = 0); p and dd are written out, [D, B, H, T], and the slot gradients
+ *   slots     gK_j = sum_i sum_{heads of the kv head} dd_ij q_i,  gV_j = sum_i p_ij dO_i
+ *             are summed once, over every consumer i of slot j, when the slot's first reader runs backward:
+ *             the banks' gradients are written once instead of read and written by every consumer.
+ *
+ * Layouts (strides in elements):
+ *   q, dout, dq  [B, H, T, hd], any strides (q*, d*, g*)
+ *   o            [B, T, H, hd], contiguous (the joint output; forward: in/out)
+ *   lse          [B, H, T], any strides (l*) (forward: the sequence lse in, the joint lse out; backward: joint)
+ *   K, V         [D, B, Hkv, T, hd], strides sk, sv (the last 1): the depth banks' first D slots (slot-major:
+ *                a slot's rows of one (b, kv head) contiguous, read TC at a time)
+ *   p, dd        [D, B, H, T], contiguous (slot-major: a slot's weights are contiguous for its gradient)
+ *   live         [D] uint8, or NULL for every slot live
+ * H = Hkv rep (GQA: the rep query heads of one kv head are handled together, so a bank row is read once).
+ * Work items are (b, kv head, chunk of TC tokens); a call handles items [item0, item1) (threads split the range).
+ * Within an item the slots are the outer loop, SB of them at a time, so each pass streams TC contiguous rows of
+ * SB slots; the backward's second pass over K finds the item's rows still in cache. No FMA contraction
+ * (-std=c99): each product and sum rounds as in the eager form.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifndef TC
+#define TC 32
+#endif
+#ifndef SB
+#define SB 8
+#endif
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* y += sum_u w[u] x[u slot + .] over jn rows of consecutive slots */
+static inline void axpy_slots(float *restrict y, const float *restrict w, const float *restrict x, int64_t slot,
+                              int64_t jn, int64_t n) {
+    for (int64_t u = 0; u < jn; u++) axpy(y, w[u], x + u * slot, n);
+}
+
+typedef struct {
+    int64_t b, hk, t0, tn;
+} item_t;
+
+static inline item_t item(int64_t it, int64_t Hkv, int64_t T) {
+    const int64_t chunks = (T + TC - 1) / TC;
+    item_t x = {it / (Hkv * chunks), (it / chunks) % Hkv, (it % chunks) * TC, 0};
+    x.tn = T - x.t0 < TC ? T - x.t0 : TC;
+    return x;
+}
+
+/* rows [rep][tn][hd] of x (strides s0..s3) for batch b, heads h0.., tokens t0.. into a contiguous buffer */
+static void gather(float *restrict dst, const float *x, const int64_t *s, int64_t b, int64_t h0, int64_t rep,
+                   int64_t t0, int64_t tn, int64_t hd) {
+    for (int64_t r = 0; r < rep; r++)
+        for (int64_t ti = 0; ti < tn; ti++) {
+            const float *src = x + b * s[0] + (h0 + r) * s[1] + (t0 + ti) * s[2];
+            float *d = dst + (r * TC + ti) * hd;
+            if (s[3] == 1) memcpy(d, src, (size_t)hd * sizeof(float));
+            else for (int64_t i = 0; i < hd; i++) d[i] = src[i * s[3]];
+        }
+}
+
+/* s[r][ti][j] = scaling x_r,ti . B_j,ti for the item's rows (x: the gathered q or dO; row (j, ti) of the bank at
+ * Bk + j sj + ti st); masked slots: -INFINITY */
+static void slot_dots(float *restrict s, const float *xc, const float *Bk, const uint8_t *live, int64_t D,
+                      int64_t sj, int64_t st, int64_t rep, int64_t tn, int64_t hd, float scaling) {
+    for (int64_t j0 = 0; j0 < D; j0 += SB) {
+        const int64_t jn = D - j0 < SB ? D - j0 : SB;
+        for (int64_t ti = 0; ti < tn; ti++)
+            for (int64_t r = 0; r < rep; r++) {
+                const float *x = xc + (r * TC + ti) * hd;
+                float *sp = s + (r * TC + ti) * D + j0;
+                for (int64_t u = 0; u < jn; u++)
+                    sp[u] = (!live || live[j0 + u]) ? dot(x, Bk + (j0 + u) * sj + ti * st, hd) * scaling
+                                                    : -INFINITY;
+            }
+    }
+}
+
+/* acc[r][ti] += sum_j w[r][ti][j] B_j,ti  (w: [rep][TC][D]; masked slots carry w = 0); rows as in slot_dots */
+static void slot_mix(float *restrict acc, const float *w, const float *Bv, int64_t D, int64_t sj, int64_t st,
+                     int64_t rep, int64_t tn, int64_t hd) {
+    for (int64_t j0 = 0; j0 < D; j0 += SB) {
+        const int64_t jn = D - j0 < SB ? D - j0 : SB;
+        for (int64_t ti = 0; ti < tn; ti++)
+            for (int64_t r = 0; r < rep; r++)
+                axpy_slots(acc + (r * TC + ti) * hd, w + (r * TC + ti) * D + j0, Bv + j0 * sj + ti * st, sj, jn, hd);
+    }
+}
+
+int hfd_moda_depth_fwd(const float *q, const int64_t *sq, const float *K, const int64_t *sk, const float *V,
+                       const int64_t *sv, float *o, float *lse, const int64_t *sl, const uint8_t *live, int64_t D, int64_t B, int64_t H, int64_t Hkv,
+                       int64_t T, int64_t hd, float scaling, int64_t item0, int64_t item1) {
+    const int64_t rep = H / Hkv, n = rep * TC;
+    float *s = malloc(sizeof(float) * (size_t)(n * (D + 2 * hd)));
+    if (!s) return 1;
+    float *qc = s + n * D, *oc = qc + n * hd;
+    (void)B;
+    for (int64_t it = item0; it < item1; it++) {
+        const item_t x = item(it, Hkv, T);
+        const int64_t rk = x.b * sk[1] + x.hk * sk[2] + x.t0 * sk[3], rv = x.b * sv[1] + x.hk * sv[2] + x.t0 * sv[3];
+        gather(qc, q, sq, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
+        slot_dots(s, qc, K + rk, live, D, sk[0], sk[3], rep, x.tn, hd, scaling);
+        for (int64_t r = 0; r < rep; r++)
+            for (int64_t ti = 0; ti < x.tn; ti++) {
+                float *sr = s + (r * TC + ti) * D, *lp = lse + x.b * sl[0] + (x.hk * rep + r) * sl[1] + (x.t0 + ti) * sl[2];
+                float mx = *lp;
+                for (int64_t j = 0; j < D; j++) mx = sr[j] > mx ? sr[j] : mx;
+                float sum = expf(*lp - mx);
+                for (int64_t j = 0; j < D; j++) sum += expf(sr[j] - mx);
+                const float tot = mx + logf(sum), a = expf(*lp - tot);
+                for (int64_t j = 0; j < D; j++) sr[j] = expf(sr[j] - tot);
+                float *op = o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd;
+                for (int64_t i = 0; i < hd; i++) op[i] *= a;
+                *lp = tot;
+            }
+        memset(oc, 0, sizeof(float) * (size_t)(n * hd));
+        slot_mix(oc, s, V + rv, D, sv[0], sv[3], rep, x.tn, hd);
+        for (int64_t r = 0; r < rep; r++)
+            for (int64_t ti = 0; ti < x.tn; ti++)
+                axpy(o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd, 1.0f, oc + (r * TC + ti) * hd, hd);
+    }
+    free(s);
+    return 0;
+}
+
+int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, const int64_t *sd, float *dq,
+                       const int64_t *sg, const float *K, const int64_t *sk, const float *V, const int64_t *sv,
+                       const float *o, const float *lse,
+                       const int64_t *sl, const uint8_t *live, float *P, float *DD, int64_t D, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t T, int64_t hd, float scaling, int64_t item0, int64_t item1) {
+    const int64_t rep = H / Hkv, n = rep * TC;
+    float *p = malloc(sizeof(float) * (size_t)(n * (2 * D + 3 * hd)));
+    if (!p) return 1;
+    float *dd = p + n * D, *qc = dd + n * D, *dc = qc + n * hd, *gq = dc + n * hd;
+    for (int64_t it = item0; it < item1; it++) {
+        const item_t x = item(it, Hkv, T);
+        const int64_t rk = x.b * sk[1] + x.hk * sk[2] + x.t0 * sk[3], rv = x.b * sv[1] + x.hk * sv[2] + x.t0 * sv[3];
+        gather(qc, q, sq, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
+        gather(dc, dout, sd, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
+        slot_dots(p, qc, K + rk, live, D, sk[0], sk[3], rep, x.tn, hd, scaling);   /* the K pass: scores */
+        slot_dots(dd, dc, V + rv, live, D, sv[0], sv[3], rep, x.tn, hd, 1.0f);     /* the V pass: dO . V_j */
+        for (int64_t r = 0; r < rep; r++)
+            for (int64_t ti = 0; ti < x.tn; ti++) {
+                const int64_t h = x.hk * rep + r, k = r * TC + ti;
+                const float tot = lse[x.b * sl[0] + h * sl[1] + (x.t0 + ti) * sl[2]];
+                const float rsum = dot(dc + k * hd, o + ((x.b * T + x.t0 + ti) * H + h) * hd, hd);
+                float *pr = p + k * D, *dr = dd + k * D;
+                const int64_t out = (x.b * H + h) * T + x.t0 + ti, plane = B * H * T;  /* P, DD: [D, B, H, T] */
+                for (int64_t j = 0; j < D; j++) {
+                    const int on = !live || live[j];
+                    pr[j] = on ? expf(pr[j] - tot) : 0.0f;
+                    dr[j] = on ? pr[j] * (dr[j] - rsum) * scaling : 0.0f;
+                    P[j * plane + out] = pr[j];
+                    DD[j * plane + out] = dr[j];
+                }
+            }
+        memset(gq, 0, sizeof(float) * (size_t)(n * hd));
+        slot_mix(gq, dd, K + rk, D, sk[0], sk[3], rep, x.tn, hd);  /* dq: K again, cache-resident */
+        for (int64_t r = 0; r < rep; r++)
+            for (int64_t ti = 0; ti < x.tn; ti++) {
+                float *dst = dq + x.b * sg[0] + (x.hk * rep + r) * sg[1] + (x.t0 + ti) * sg[2];
+                const float *src = gq + (r * TC + ti) * hd;
+                for (int64_t i = 0; i < hd; i++) dst[i * sg[3]] += src[i];
+            }
+    }
+    free(p);
+    return 0;
+}
+
+/* The gradients of slots [j0, j1) of one bank, summed over its n consumers i (each read D_i slots):
+ *   G[j - j0] = sum_i sum_r W_i[j, b, hk rep + r, t] X_i[b, hk rep + r, t, :]      (0 where no consumer reads j)
+ * with (W, X) = (dd, q) for keys and (p, dO) for values. W_i [D_i, B, H, T] contiguous; X_i [B, H, T, hd] with
+ * strides xs[4 i .. 4 i + 3]; G [j1 - j0, B, Hkv, T, hd] contiguous (written once, not accumulated). Work items are
+ * (b, chunk of GT tokens); per output row the consumers are the inner loop (their rows streamed side by side), so
+ * each row is summed in an L1-resident accumulator and stored once. */
+#ifndef GT
+#define GT 32
+#endif
+
+int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn, const float *const *X,
+                        const int64_t *xs, float *G, int64_t j0, int64_t j1, int64_t B, int64_t H, int64_t Hkv,
+                        int64_t T, int64_t hd, int64_t item0, int64_t item1) {
+    const int64_t rep = H / Hkv, slot = B * Hkv * T * hd, nj = j1 - j0, chunks = (T + GT - 1) / GT, plane = B * H * T;
+    float *acc = malloc(sizeof(float) * (size_t)(nj * hd));
+    if (!acc) return 1;
+    for (int64_t it = item0; it < item1; it++) {
+        const int64_t b = it / chunks, t0 = (it % chunks) * GT, tn = T - t0 < GT ? T - t0 : GT;
+        for (int64_t t = t0; t < t0 + tn; t++)
+            for (int64_t hk = 0; hk < Hkv; hk++) {
+                memset(acc, 0, sizeof(float) * (size_t)(nj * hd));
+                for (int64_t h = hk * rep; h < (hk + 1) * rep; h++)
+                    for (int64_t c = 0; c < ncons; c++) {
+                        const int64_t hi = j1 < Dn[c] ? j1 : Dn[c];
+                        const int64_t *st = xs + 4 * c;
+                        const float *w = W[c] + (b * H + h) * T + t;  /* + j B H T: slot j's weight */
+                        const float *xr = X[c] + b * st[0] + h * st[1] + t * st[2];
+                        for (int64_t j = j0; j < hi; j++) {
+                            float *a = acc + (j - j0) * hd;
+                            const float wj = w[j * plane];
+                            if (st[3] == 1) axpy(a, wj, xr, hd);
+                            else for (int64_t k = 0; k < hd; k++) a[k] += wj * xr[k * st[3]];
+                        }
+                    }
+                for (int64_t j = 0; j < nj; j++)
+                    memcpy(G + j * slot + ((b * Hkv + hk) * T + t) * hd, acc + j * hd, sizeof(float) * (size_t)hd);
+            }
+    }
+    free(acc);
+    return 0;
+}
+
+/* The work-item sizes, read by the Python side to count the items. */
+int64_t hfd_moda_items(int64_t B, int64_t Hkv, int64_t T) { return B * Hkv * ((T + TC - 1) / TC); }
+int64_t hfd_moda_grad_items(int64_t B, int64_t T) { return B * ((T + GT - 1) / GT); }
