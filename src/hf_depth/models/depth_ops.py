@@ -656,13 +656,14 @@ def _live(depth_mask, n: int):
         return None
     if depth_mask.shape != (n,):
         return False
-    return depth_mask.to(torch.uint8).contiguous()
+    return depth_mask.to(torch.bool).to(torch.uint8).contiguous()  # True = attend, as ``masked_fill(~mask)``
 
 
 def _native(q, dk, dv, o, lse, live) -> bool:
     """Whether the native CPU kernel (``hf_depth.native``) runs MoDA's depth part for these tensors (never under
     ``torch.compile``: a ctypes call is opaque to it, the eager form's ops trace)."""
-    return (live is not False and native is not None and not torch.compiler.is_compiling() and q.dtype == torch.float32 and native.library() is not None
+    return (live is not False and native is not None and not torch.compiler.is_compiling()
+            and q.dtype == torch.float32 and native.library() is not None
             and native.moda_depth_supported(q, dk, dv, o, lse, live))
 
 
