@@ -662,7 +662,7 @@ def _live(depth_mask, n: int):
 def _native(q, dk, dv, o, lse, live) -> bool:
     """Whether the native CPU kernel (``hf_depth.native``) runs MoDA's depth part for these tensors (never under
     ``torch.compile``: a ctypes call is opaque to it, the eager form's ops trace)."""
-    return (live is not False and native is not None and not torch.compiler.is_compiling()
+    return (live is not False and native is not None and SourceBank.enabled()
             and q.dtype == torch.float32 and native.library() is not None
             and native.moda_depth_supported(q, dk, dv, o, lse, live))
 
@@ -727,7 +727,7 @@ def _flash_exact(query, mask, depth_mask, n_depth: int) -> bool:
         return False
     if mask is None or (n_depth and depth_mask is None):
         return True
-    if torch.compiler.is_compiling():
+    if not SourceBank.enabled():
         return False
     if n_depth and bool(depth_mask.any()):
         return True
