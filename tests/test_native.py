@@ -160,3 +160,21 @@ def test_the_library_is_built_once_into_its_cache(monkeypatch, tmp_path):
     assert native.library() is not None
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("hf_depth_native_*.so")] == [stamp]  # reused, not rebuilt
     assert not list(tmp_path.glob("*.tmp*")) and len(list(tmp_path.iterdir())) == 1  # no partial files left
+
+
+@pytest.mark.parametrize("var,value", [("HF_DEPTH_NATIVE", "maybe"), ("HF_DEPTH_NATIVE", "off"),
+                                       ("HF_DEPTH_KERNELS", "cuda")])
+def test_an_unknown_switch_value_is_refused_by_name(var, value, monkeypatch):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=f"`{var}` must be one of"):
+        native.enabled()
+
+
+def test_the_kernel_report_says_whether_the_native_kernels_run(monkeypatch):
+    from hf_depth.models import dispatch
+
+    assert dispatch.kernel_report()["native"] == native.status()
+    assert "native CPU kernels (moda_depth): in use" in dispatch.format_kernel_report()
+    monkeypatch.setenv("HF_DEPTH_NATIVE", "0")
+    assert dispatch.kernel_report()["native"]["available"] is False
+    assert "native CPU kernels (moda_depth): not used (disabled" in dispatch.format_kernel_report()

@@ -46,11 +46,19 @@ _WHY: str | None = None
 _POOL: ThreadPoolExecutor | None = None
 
 
+#: ``HF_DEPTH_NATIVE``: "1" (default) uses the native kernels where they apply, "0" never
+NATIVE_VALUES = ("0", "1")
+
+
 def enabled() -> bool:
-    """Whether the environment allows the native path (it may still be unavailable: ``status()``)."""
-    if os.environ.get("HF_DEPTH_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return os.environ.get("HF_DEPTH_KERNELS", "auto").strip().lower() != "torch"
+    """Whether the environment allows the native path (it may still be unavailable: ``status()``). Raises
+    ``ValueError`` naming the variable for a value of ``HF_DEPTH_NATIVE`` (or ``HF_DEPTH_KERNELS``) it does not know."""
+    from hf_depth.models.dispatch import mode
+
+    value = os.environ.get("HF_DEPTH_NATIVE", "1").strip() or "1"
+    if value not in NATIVE_VALUES:
+        raise ValueError(f"`HF_DEPTH_NATIVE` must be one of {list(NATIVE_VALUES)}, got {value!r}")
+    return value == "1" and mode() != "torch"
 
 
 def _compiler() -> str | None:
