@@ -174,7 +174,161 @@ def test_the_kernel_report_says_whether_the_native_kernels_run(monkeypatch):
     from hf_depth.models import dispatch
 
     assert dispatch.kernel_report()["native"] == native.status()
-    assert "native CPU kernels (moda_depth): in use" in dispatch.format_kernel_report()
+    ops = ", ".join(native.OPS)
+    assert f"native CPU kernels ({ops}): in use" in dispatch.format_kernel_report()
     monkeypatch.setenv("HF_DEPTH_NATIVE", "0")
     assert dispatch.kernel_report()["native"]["available"] is False
-    assert "native CPU kernels (moda_depth): not used (disabled" in dispatch.format_kernel_report()
+    assert f"native CPU kernels ({ops}): not used (disabled" in dispatch.format_kernel_report()
+
+
+# --------------------------------------------------------------------------- HC / mHC stream mixing
+def _close(a, b, msg=""):
+    """fp32 rounding: the kernels' dot products sum in lanes, the eager products in their own order."""
+    scale = max(1.0, b.abs().max().item())
+    torch.testing.assert_close(a, b, atol=2e-6 * scale, rtol=1e-5, msg=msg or None)
+
+
+def _stream_cases():
+    g = torch.Generator().manual_seed(5)
+    B, T, n, d = 2, 9, 4, 40  # d not a multiple of the kernels' 8 lanes: their tails run too
+    H = torch.randn(B, T, n, d, generator=g)
+    yield "dynamic", torch.randn(B, T, n, n + 1, generator=g).transpose(-1, -2), H  # M as routing_saved gives it
+    yield "contiguous", torch.randn(B, T, n + 1, n, generator=g), H
+    yield "static", torch.randn(n + 1, n, generator=g), H
+    yield "broadcast streams", torch.randn(B, T, n + 1, n, generator=g), torch.randn(B, T, 1, d, generator=g).expand(
+        B, T, n, d)  # MultiStream.init: the embedding read n times (stride 0)
+    yield "one token", torch.randn(1, 1, n + 1, n, generator=g), torch.randn(1, 1, n, d, generator=g)
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_stream_kernels_equal_the_eager_forms(case):
+    from hf_depth.models.functional import mix_streams, read_and_mix
+
+    name, M, H = list(_stream_cases())[case]
+    x, mixed = native.stream_mix(M, H, 1)
+    ref_x, ref_mixed = read_and_mix(M, H)
+    _close(x, ref_x, name)
+    _close(mixed, ref_mixed, name)
+    (out,) = native.stream_mix(M[..., 1:, :], H, 0)
+    _close(out, mix_streams(M[..., 1:, :], H), name)
+    # backward of [x; mixed] = M H, with and without separate first rows
+    g = torch.Generator().manual_seed(6)
+    dx, dmixed = torch.randn(x.shape, generator=g), torch.randn(mixed.shape, generator=g)
+    Md, Hd = M.detach().clone().requires_grad_(), H.detach().clone().requires_grad_()
+    full = Md @ Hd
+    torch.autograd.backward([full[..., 0, :], full[..., 1:, :]], [dx, dmixed])
+    dM, dH = native.stream_mix_backward(M, H, dx.unsqueeze(-2), dmixed)
+    _close(dM.view(H.shape[:-2] + M.shape[-2:]).sum(0).sum(0) if M.dim() == 2 else dM.view(M.shape), Md.grad, name)
+    _close(dH, Hd.grad, name)
+    dM1, dH1 = native.stream_mix_backward(M, H, None, torch.cat((dx.unsqueeze(-2), dmixed), -2))
+    _close(dM1, dM, name)
+    _close(dH1, dH, name)
+    # the write H' = mixed + w y: per-token and static weights
+    y = torch.randn(x.shape, generator=g)
+    for w in (torch.randn(H.shape[:-1], generator=g), torch.randn(H.shape[-2], generator=g)):
+        wd, yd = w.clone().requires_grad_(), y.clone().requires_grad_()
+        (mixed + wd.unsqueeze(-1) * yd.unsqueeze(-2)).backward(dmixed[..., :1, :].expand(mixed.shape).contiguous())
+        dy, dw = native.stream_write_backward(w, dmixed[..., :1, :].expand(mixed.shape).contiguous(), y)
+        _close(dy, yd.grad, name)
+        _close(dw.view(mixed.shape[:-1]).reshape(-1, w.shape[-1]).sum(0) if w.dim() == 1 else dw.view(w.shape),
+               wd.grad, name)
+
+
+def test_stream_kernels_decline_what_they_do_not_take():
+    """Half precision, float64 and a mismatched M: None (the caller runs the eager form), never a wrong result."""
+    M, H = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 4, 8)
+    assert native.stream_mix(M.double(), H.double(), 1) is None
+    assert native.stream_mix(M.bfloat16(), H.bfloat16(), 1) is None
+    assert native.stream_mix(torch.randn(3, 3, 5, 4), H, 1) is None
+    assert native.stream_mix_backward(M, H, None, torch.randn(2, 3, 5, 8).half()) is None
+    assert native.stream_write_backward(torch.randn(2, 3, 4).double(), torch.randn(2, 3, 4, 8), torch.randn(2, 3, 8)) is None
+
+
+def test_native_sinkhorn_equals_the_reference():
+    """The linear-domain kernel (rows first; logits read through their strides) against ``functional.sinkhorn`` in
+    float64 and its autograd gradient; logits out of its range (or not finite) are declined, never rounded to 0."""
+    from hf_depth.models.functional import sinkhorn
+
+    g = torch.Generator().manual_seed(7)
+    for n in (2, 4, 5):
+        L = torch.randn(3, 37, n, n, generator=g) * 4  # 111 tokens: full and partial lane blocks
+        for logits in (L, L.transpose(-1, -2)):
+            ref = logits.double().requires_grad_()
+            dres = torch.randn(logits.shape, generator=g)
+            out = sinkhorn(ref, 20)
+            out.backward(dres.double())
+            got = native.sinkhorn(logits, 20)
+            torch.testing.assert_close(got.double(), out.detach(), rtol=0, atol=1e-6)
+            grad = native.sinkhorn_backward(dres, logits, 20)
+            torch.testing.assert_close(grad.double(), ref.grad, rtol=0, atol=1e-6 * max(1.0, ref.grad.abs().max().item()))
+    wide = torch.zeros(2, 9, 4, 4)
+    wide[1, 3, 2, 0] = -61.0
+    assert native.sinkhorn(wide, 20) is None and native.sinkhorn_backward(wide, wide, 20) is None
+    wide[1, 3, 2, 0] = float("nan")
+    assert native.sinkhorn(wide, 20) is None
+    assert native.sinkhorn(wide.double(), 20) is None
+
+
+@pytest.mark.parametrize("design,extra", [("hc", {}), ("mhc", {}), ("mhc", {"mhc_sinkhorn_order": "columns_first"})])
+@pytest.mark.parametrize("layers", [1, 2, 7])
+def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
+    """HC / mHC (the streams' one-pass kernels in forward, rebuild and backward; mHC's Sinkhorn): logits equal the
+    eager form's (HC: bit for bit) and every parameter gradient at fp32 rounding; the thread count changes no bit."""
+    model = tiny_model(design, num_hidden_layers=layers, **extra)
+    x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
+    calls = []
+    real = native.stream_mix
+    monkeypatch.setattr(native, "stream_mix", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(x, labels=x, use_cache=False)
+        (out.logits.pow(2).mean() + out.loss).backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logits, grads = run()
+    assert calls, "the native stream kernel did not run"
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        logits2, grads2 = run()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits, logits2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
+    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
+    eager_logits, eager = run()
+    if design == "hc":
+        assert torch.equal(logits, eager_logits)
+    torch.testing.assert_close(logits, eager_logits, atol=1e-6 * max(1.0, eager_logits.abs().max().item()), rtol=1e-6)
+    assert grads.keys() == eager.keys()
+    for name in eager:
+        scale = max(1.0, eager[name].abs().max().item())
+        torch.testing.assert_close(grads[name], eager[name], atol=1e-6 * scale, rtol=1e-5, msg=name)
+
+
+def test_mhc_logits_out_of_the_kernels_range_take_the_log_domain_form(monkeypatch):
+    """An mHC whose Sinkhorn logits span more than the linear domain holds (a large static bias): forward and
+    backward both run the log-domain form (the same rule on the same logits), with finite results equal to eager."""
+    model = tiny_model("mhc", num_hidden_layers=2)
+    n = model.config.mhc_streams
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for conn in (layer.attn_connection, layer.mlp_connection):
+                conn.static_bias[2 * n :: n + 1] += 80.0  # a dominant diagonal: logits 80 apart
+    x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(4))
+    seen = []
+    real = native.sinkhorn
+    monkeypatch.setattr(native, "sinkhorn", lambda *a: seen.append(real(*a)) or seen[-1])
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        model(x, labels=x, use_cache=False).loss.backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    grads = run()
+    assert seen and all(r is None for r in seen)
+    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
+    eager = run()
+    for k in eager:
+        assert torch.isfinite(grads[k]).all()
+        torch.testing.assert_close(grads[k], eager[k], atol=1e-6 * max(1.0, eager[k].abs().max().item()), rtol=1e-5)

@@ -855,6 +855,33 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
+def _native_streams(H: torch.Tensor) -> bool:
+    """Whether HC / mHC's CPU path may run the native stream kernels on streams like ``H`` (``native.stream_mix``
+    and its backward; each still returns None for tensors it does not take, and the eager form runs): streams of a
+    training shape, where ``mix_streams`` runs its one-pass form (the kernel's rows equal it bit for bit; below,
+    the batched product's other rounding stays), never under ``torch.compile``."""
+    return (native is not None and H.numel() >= _ONE_PASS_MIN and SourceBank.enabled()
+            and native.library() is not None)
+
+
+def native_stream_op(H: torch.Tensor, op: str, *args):
+    """``hf_depth.native.<op>(*args)`` for the routing of streams ``H`` where the CPU path runs the native kernels
+    (``_native_streams``), else None, as when the op declines its tensors: the caller then runs its eager form."""
+    return getattr(native, op)(*args) if _native_streams(H) else None
+
+
+def _read_and_mix(M: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``read_and_mix(M, H)``: the native one-pass kernel where it runs (the same values, bit for bit on FMA CPUs)."""
+    out = native.stream_mix(M, H, 1) if _native_streams(H) else None
+    return read_and_mix(M, H) if out is None else out
+
+
+def _mix(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``mix_streams(M, H)``, native where it runs (see ``_read_and_mix``)."""
+    out = native.stream_mix(M, H, 0) if _native_streams(H) else None
+    return mix_streams(M, H) if out is None else out[0]
+
+
 def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` summed over the leading dims that ``like`` (a parameter-shaped weight) does not have."""
     return t if t.dim() == like.dim() else t.flatten(0, t.dim() - like.dim() - 1).sum(0)
@@ -906,7 +933,7 @@ class _Segment:
             self.local[j] = (H, saved, M, state)
             if j < s:
                 w, y = self._write_saved(j)
-                H = write_streams(mix_streams(M[..., 1:, :], H), w, y, inplace=True)  # the forward's ops
+                H = write_streams(_mix(M[..., 1:, :], H), w, y, inplace=True)  # the forward's ops
         return self.local.pop(s)
 
 
@@ -925,7 +952,7 @@ class _Route(torch.autograd.Function):
         with torch.autocast(device_type=H.device.type, enabled=False):
             if ctx.by_hand:
                 M, w, seen, saved = conn.routing_saved(H)
-                x, mixed = read_and_mix(M, H)
+                x, mixed = _read_and_mix(M, H)
                 ctx.save_for_backward(*((H,) if start else ()), *saved)
             else:
                 x, mixed, w, seen = conn.route(H)
@@ -944,13 +971,17 @@ class _Route(torch.autograd.Function):
         dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
         dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
         # the gradient of [x; mixed] = M H is [dx; dmixed], used by rows (never concatenated: a stream-sized copy)
-        HT = _tokens(H).transpose(1, 2)  # per token [d, n]; bmm on 3-d views (no broadcasting matmul's extra ops)
-        dM = torch.cat((torch.bmm(_tokens(dx.unsqueeze(-2)), HT), torch.bmm(_tokens(dmixed), HT)), dim=1)
+        both = native.stream_mix_backward(M, H, dx.unsqueeze(-2), dmixed) if _native_streams(H) else None
+        if both is None:
+            HT = _tokens(H).transpose(1, 2)  # per token [d, n]; bmm on 3-d views (no broadcasting matmul's extra ops)
+            dM = torch.cat((torch.bmm(_tokens(dx.unsqueeze(-2)), HT), torch.bmm(_tokens(dmixed), HT)), dim=1)
+            MT = M.to(H.dtype).transpose(-1, -2)  # dH = M^T [dx; dmixed] (+ the routing's part, in place)
+            dH = mix_streams(MT[..., :, 1:], dmixed).addcmul_(MT[..., :, :1], dx.unsqueeze(-2))
+        else:  # one pass per token: dM's dot products and dH's sums (the eager dH's order of terms)
+            dM, dH = both
         dM = _sum_to(dM.view(H.shape[:-2] + dM.shape[1:]), M).to(M.dtype)
         if dw is None:
             dw = torch.zeros(H.shape[:-1], dtype=M.dtype, device=H.device)
-        MT = M.to(H.dtype).transpose(-1, -2)  # dH = M^T [dx; dmixed] + the routing's part, accumulated in place
-        dH = mix_streams(MT[..., :, 1:], dmixed).addcmul_(MT[..., :, :1], dx.unsqueeze(-2))
         grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype), dH)
         out = [(grads.get(name), p) for name, p in conn.named_parameters(recurse=False)]
         return (None, None, dH, *(None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in out))
@@ -990,6 +1021,9 @@ class _Write(torch.autograd.Function):
     def backward(ctx, dH):
         seg = ctx.seg
         w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
+        both = native.stream_write_backward(w, dH, y) if _native_streams(dH) else None
+        if both is not None:  # one pass per token over dH: dy = w^T dH and dw = dH y together
+            return None, None, None, dH, both[1].view(dH.shape[:-1]), both[0]  # static w: autograd sums dw
         wm = w.to(ctx.mixed_dtype).expand(dH.shape[:-1])  # static weights: [n], one for every token
         # per token: dy = w^T dH, a batched [1, n] @ [n, d] product; dw = dH y by a product and a sum (on CPU
         # several times faster than the batched [n, d] @ [d, 1] product)
@@ -1018,7 +1052,7 @@ def stream_route(conn, s: int, H: torch.Tensor):
         # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
         # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
         M, w, seen, _ = conn.routing_saved(H)
-        return (*read_and_mix(M, H), w, seen)
+        return (*_read_and_mix(M, H), w, seen)
 
 
 def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

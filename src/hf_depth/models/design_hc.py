@@ -142,6 +142,15 @@ def _token_mean(v: torch.Tensor, trailing: int) -> torch.Tensor:
     return v if lead == 0 else v.reshape(-1, *v.shape[lead:]).mean(0)
 
 
+def normalized_projection(X: torch.Tensor, WT: torch.Tensor, eps: float):
+    """(r [..., 1], P [..., c]) of rows X [..., k] (fp32): r = 1 / rms(X), P = (X W) r for WT = W^T [c, k] (= rms(X) W,
+    functional.hc_coefficients' projection to fp32 rounding), with two passes over the rows: 1 / rms by one norm (no
+    squared copy), then one product of the raw rows (no normalized copy; the weight read transposed, the fast
+    layout of this thin product on CPU)."""
+    r = inv_rms(X, eps)
+    return r, (X.reshape(-1, X.shape[-1]) @ WT.T).view(*X.shape[:-1], -1).mul_(r)
+
+
 def normalized_projection_backward(X, r, P, dP, WT, dX):
     """dW^T of P = (X W) r, r = 1 / rms(X) [..., 1] (= rms(X) W), for rows X [..., k] and WT = W^T [c, k],
     given the gradient dP of P [..., c]; the gradient of X is added into ``dX`` (X's shape, contiguous, X's
@@ -332,13 +341,8 @@ class HCConnection(MultiStreamConnection):
             A, beta = self.coefficients(H)
             A = self._unmixed(A)
             return A.transpose(-1, -2), beta, self._seen_of(A, beta), ()
-        # functional.hc_coefficients to fp32 rounding, with two passes over the streams: 1 / rms by one norm (no
-        # squared copy), then the two projections as one product of the raw streams, P = (H [W_a | w_b]) / rms
-        # (no normalized copy; [tokens n, d] @ [d, n + 2] with the weight read transposed, the fast layout)
-        Hf = _acc(H)
-        d = Hf.shape[-1]
-        r = inv_rms(Hf, self.eps)
-        P = (Hf.reshape(-1, d) @ self._projection().T).view(*Hf.shape[:-1], -1).mul_(r)
+        # functional.hc_coefficients to fp32 rounding: the two projections as one, P = (H [W_a | w_b]) / rms(H)
+        r, P = normalized_projection(_acc(H), self._projection(), self.eps)
         A, beta, _ = self._gates(P)
         A = self._unmixed(A)
         return A.transpose(-1, -2), beta, self._seen_of(A, beta), (r, P)

@@ -39,20 +39,21 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, check_fields, field_alias
-from .depth_ops import _sum_to
+from .depth_ops import _sum_to, native_stream_op
 from .design_hc import (
     FINAL_REDUCES,
     MULTI_STREAM,
     MULTI_STREAM_OLMO,
     MultiStreamConnection,
     multi_stream_flops,
+    normalized_projection,
     normalized_projection_backward,
     olmo_connections,
     olmo_reduce,
     stream_extra_activation_bytes,
 )
 from .dispatch import mhc_coefficients, mhc_depth, mhc_width, sinkhorn
-from .functional import _acc, inv_rms
+from .functional import _acc
 from .modeling_depth import DepthForCausalLM, DepthModel
 from .olmo_rules import OlmoRules, Rule, one, pre_norms
 from .residual import Design, register
@@ -156,46 +157,47 @@ class MHCConnection(MultiStreamConnection):
         x, mixed = mhc_width(H, pre, res)
         return x, mixed, post, {"pre": pre, "res": res, "post": post}
 
-    def _gates(self, proj: torch.Tensor, keep: list | None = None):
-        """(pre, post, res, t) from the normalized projection ``proj`` = (vec(H) phi) / r, [..., n^2 + 2n], with
-        the ops of ``functional.mhc_gates`` except the Sinkhorn: ``sinkhorn_iterates`` (one fused ``log_softmax``
-        per half-step instead of the log-domain form's seven; equal to ``functional.sinkhorn`` to its fp32 rounding).
-        ``keep`` (a list, in backward) collects its iterates for ``sinkhorn_backward``."""
+    def _gates(self, proj: torch.Tensor):
+        """(pre, post, logits, t) from the normalized projection ``proj`` = (vec(H) phi) / r, [..., n^2 + 2n], with
+        the ops of ``functional.mhc_gates`` before its Sinkhorn; ``logits`` [..., n, n] as the Sinkhorn takes them
+        (rows normalized first: transposed for ``columns_first``)."""
         n, a, b = self.n, _acc(self.alpha_scale), _acc(self.static_bias)
         t = torch.tanh(proj) if self.tanh else proj
         pre = torch.sigmoid(a[0] * t[..., :n] + b[:n])
         post = 2.0 * torch.sigmoid(a[1] * t[..., n : 2 * n] + b[n : 2 * n])
         logits = (a[2] * t[..., 2 * n :] + b[2 * n :]).unflatten(-1, (n, n))
-        if self.columns_first:
-            logits = logits.transpose(-1, -2)
-        res = sinkhorn_iterates(logits, self.iters, keep)
-        return pre, post, (res.transpose(-1, -2) if self.columns_first else res), t
+        return pre, post, (logits.transpose(-1, -2) if self.columns_first else logits), t
 
     def routing_saved(self, H):
-        # functional.mhc_coefficients to fp32 rounding: 1 / rms by one norm, the fused Sinkhorn (see ``_gates``)
-        x = _acc(H.flatten(-2))
-        r = inv_rms(x, self.eps)
-        proj = (x @ _acc(self.dynamic_phi)) * r
-        pre, post, res, _ = self._gates(proj)
+        # functional.mhc_coefficients to fp32 rounding: 1 / rms by one norm, then the gates and a Sinkhorn faster
+        # than the reference's: the native per-token kernel on CPU where it runs (streams of a training shape),
+        # else ``sinkhorn_iterates`` (one fused ``log_softmax`` per half-step instead of the log-domain form's seven)
+        r, proj = normalized_projection(_acc(H.flatten(-2)), _acc(self.dynamic_phi).T, self.eps)
+        pre, post, logits, _ = self._gates(proj)
+        res = native_stream_op(H, "sinkhorn", logits, self.iters)
+        res = sinkhorn_iterates(logits, self.iters) if res is None else res
+        res = res.transpose(-1, -2) if self.columns_first else res
         M = torch.cat((pre.unsqueeze(-2), res), dim=-2)
         return M, post, {"pre": pre, "res": res, "post": post}, (r, proj, M)
 
     def routing_rebuild(self, saved):
-        keep = []
-        pre, post, _, t = self._gates(saved[1], keep)
-        return saved[2], (pre, post, t, keep)  # the forward's M: the streams are rebuilt bit-identical
+        pre, post, logits, t = self._gates(saved[1])
+        return saved[2], (pre, post, t, logits)  # the forward's M: the streams are rebuilt bit-identical
 
     def routing_backward(self, H, saved, state, dM, dw, dH):
         n, a = self.n, _acc(self.alpha_scale)
         r, proj, _ = saved
-        pre, post, t, keep = state
+        pre, post, t, logits = state
         du_pre = dM[..., 0, :] * pre * (1 - pre)
         du_post = dw * post * (1 - 0.5 * post)  # d(2 sigmoid(u))/du = 2 s (1 - s), s = post / 2
         dres = dM[..., 1:, :]
-        if self.columns_first:
-            dlogits = sinkhorn_backward(dres.transpose(-1, -2), keep).transpose(-1, -2).flatten(-2)
-        else:
-            dlogits = sinkhorn_backward(dres, keep).flatten(-2)
+        dres = dres.transpose(-1, -2) if self.columns_first else dres  # as the logits
+        dlogits = native_stream_op(H, "sinkhorn_backward", dres, logits, self.iters)  # the forward's rule
+        if dlogits is None:
+            keep = []
+            sinkhorn_iterates(logits, self.iters, keep)
+            dlogits = sinkhorn_backward(dres, keep)
+        dlogits = (dlogits.transpose(-1, -2) if self.columns_first else dlogits).flatten(-2)
         du = torch.cat((du_pre, du_post, dlogits), dim=-1)  # gradient of a t + b, [..., n^2 + 2n]
         da = torch.stack([(du[..., :n] * t[..., :n]).sum(), (du_post * t[..., n : 2 * n]).sum(),
                           (dlogits * t[..., 2 * n :]).sum()])

@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("moda_depth.c",)
+SOURCES = ("moda_depth.c", "stream_mix.c")
 #: the native ops, by what they serve
-OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)"}
+OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)",
+       "stream_mix": "HC / mHC stream mixing and the write's and the mixing's backward (depth_ops._Route, _Write)",
+       "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.sinkhorn_native)"}
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c99")
 _ARCH = ("-march=native",)
 
@@ -126,7 +128,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_moda_depth_fwd.argtypes = [P, P, P, P, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
     lib.hfd_moda_depth_bwd.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
     lib.hfd_moda_slot_grads.argtypes = [N, P, P, P, P, P, N, N, N, N, N, N, N, N, N]
-    for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads):
+    lib.hfd_stream_mix.argtypes = [P, N, N, N, P, N, N, P, P, N, N, N, N, N, N]
+    lib.hfd_stream_mix_bwd.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, N, P, P, N, N, N, N, N, N]
+    lib.hfd_stream_write_bwd.argtypes = [P, N, N, P, N, N, P, N, P, P, N, N, N, N]
+    lib.hfd_sinkhorn.argtypes = [P, N, N, N, P, N, N, N, N]
+    lib.hfd_sinkhorn_bwd.argtypes = [P, N, N, N, P, P, N, N, N, N]
+    for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
+               lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -275,3 +283,144 @@ def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tenso
         acc.add(w, x)
     return acc.grads(lo, hi)
 
+
+
+# --------------------------------------------------------------------------- HC / mHC stream mixing (stream_mix.c)
+def _token_rows(t: torch.Tensor | None, rows: int, width: int):
+    """(tensor, token stride, row stride) of ``t`` [..., rows, width] read as [tokens, rows, width] without a copy
+    (fp32 CPU, the last dim contiguous), else None."""
+    if t is None or t.dtype != torch.float32 or t.device.type != "cpu" or t.shape[-2:] != (rows, width):
+        return None
+    if t.stride(-1) != 1 and width > 1:
+        return None
+    if t.dim() == 2:
+        return t, 0, t.stride(0)
+    flat = t.view(-1, rows, width) if _viewable(t) else None
+    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1))
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    try:
+        t.view(-1, *t.shape[-2:])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _matrices(M: torch.Tensor, lead: torch.Size):
+    """(tensor, token, row and column strides) of the fp32 CPU matrices M [*lead, r, n] (any strides; or [r, n], one
+    for every token) read as [tokens, r, n] without a copy, else None."""
+    if M.dtype != torch.float32 or M.device.type != "cpu":
+        return None
+    if M.dim() == 2:
+        return M, 0, M.stride(0), M.stride(1)
+    if M.shape[:-2] != lead or not _viewable(M):
+        return None
+    flat = M.view(-1, *M.shape[-2:])
+    return flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1), flat.stride(2)
+
+
+def stream_mix(M: torch.Tensor, H: torch.Tensor, split: int) -> tuple[torch.Tensor, ...] | None:
+    """``M H`` per token for M [..., r, n] (fp32; or [r, n], one for every token) and streams H [..., n, d] (fp32),
+    as ``functional.mix_streams`` forms it (its rows bit for bit), in one pass per token. ``split`` 0: returns
+    (out [..., r, d],); 1: (row 0 [..., d], rows 1.. [..., r - 1, d]) on their own storage (``read_and_mix``).
+    None when the kernel does not take these tensors (the caller runs the eager form)."""
+    lib = library()
+    r, n, d = M.shape[-2], H.shape[-2], H.shape[-1]
+    h = _token_rows(H, n, d)
+    m = _matrices(M, H.shape[:-2])
+    if lib is None or h is None or m is None or M.shape[-1] != n:
+        return None
+    lead, tok = H.shape[:-2], h[0].shape[0]
+    if split:
+        outs = (torch.empty(*lead, d, dtype=torch.float32), torch.empty(*lead, r - 1, d, dtype=torch.float32))
+    else:
+        outs = (torch.empty(*lead, r, d, dtype=torch.float32),)
+    o0, o1 = (None, outs[0]) if not split else outs
+    args = (_ptr(m[0]), m[1], m[2], m[3], _ptr(h[0]), h[1], h[2], _ptr(o0), _ptr(o1), split, r, n, d)
+    _parallel(lambda lo, hi: lib.hfd_stream_mix(*args, lo, hi), tok)
+    return outs
+
+
+def stream_mix_backward(M: torch.Tensor, H: torch.Tensor, G0: torch.Tensor | None, G1: torch.Tensor):
+    """The backward of ``[G0-rows; G1-rows] = M H`` per token: (dM [tokens, r, n], dH [..., n, d]) fp32, given the
+    gradients of the first ``r0`` rows G0 [..., r0, d] (None: no such rows) and of the others G1 [..., r - r0, d].
+    None when the kernel does not take these tensors."""
+    lib = library()
+    r, n, d = M.shape[-2], H.shape[-2], H.shape[-1]
+    r0 = 0 if G0 is None else G0.shape[-2]
+    h, b = _token_rows(H, n, d), _token_rows(G1, r - r0, d)
+    a = (None, 0, 0) if G0 is None else _token_rows(G0, r0, d)
+    m = _matrices(M, H.shape[:-2])
+    if lib is None or None in (h, a, b, m) or M.shape[-1] != n:
+        return None
+    tok = h[0].shape[0]
+    dM, dH = torch.empty(tok, r, n, dtype=torch.float32), torch.empty(H.shape, dtype=torch.float32)
+    args = (_ptr(m[0]), m[1], m[2], m[3], _ptr(h[0]), h[1], h[2], _ptr(a[0]), a[1], a[2], _ptr(b[0]), b[1],
+            b[2], _ptr(dM), _ptr(dH), r0, r, n, d)
+    _parallel(lambda lo, hi: lib.hfd_stream_mix_bwd(*args, lo, hi), tok)
+    return dM, dH
+
+
+def stream_write_backward(w: torch.Tensor, dH: torch.Tensor, y: torch.Tensor):
+    """The backward of H' = mixed + w y per token (w [..., n] or [n], y [..., d], dH [..., n, d], fp32):
+    (dy [..., d], dw [tokens, n]). None when the kernel does not take these tensors."""
+    lib = library()
+    n, d = dH.shape[-2], dH.shape[-1]
+    g, yt = _token_rows(dH, n, d), _token_rows(y.unsqueeze(-2), 1, d)
+    wt = _token_rows(w.unsqueeze(-2), 1, n) if w.dim() > 1 else (w, 0, 0) if w.dtype == torch.float32 else None
+    if lib is None or None in (g, yt, wt) or y.shape[:-1] != dH.shape[:-2] or w.stride(-1) != 1 and n > 1:
+        return None
+    tok = g[0].shape[0]
+    dy, dw = torch.empty(y.shape, dtype=torch.float32), torch.empty(tok, n, dtype=torch.float32)
+    args = (_ptr(wt[0]), wt[1], w.stride(-1), _ptr(g[0]), g[1], g[2], _ptr(yt[0]), yt[1], _ptr(dy), _ptr(dw), n, d)
+    _parallel(lambda lo, hi: lib.hfd_stream_write_bwd(*args, lo, hi), tok)
+    return dy, dw
+
+
+def _logit_matrices(L: torch.Tensor):
+    """(tensor [tokens, n, n], token, row and column strides) of fp32 CPU logits [..., n, n] without a copy, else None."""
+    if L.dtype != torch.float32 or L.device.type != "cpu" or L.dim() < 3 or not _viewable(L):
+        return None
+    flat = L.view(-1, *L.shape[-2:])
+    return flat, flat.stride(0), flat.stride(1), flat.stride(2)
+
+
+def _run_tokens(fn, tok: int) -> bool:
+    """``fn(lo, hi)`` over the tokens, split over threads; False when some part returned 1 (out of the kernel's
+    range; another nonzero status is a failed allocation: raised)."""
+    status = []
+
+    def part(lo, hi):
+        status.append(fn(lo, hi))
+        return 0 if status[-1] == 1 else status[-1]
+
+    _parallel(part, tok)
+    return 1 not in status
+
+
+def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor | None:
+    """Sinkhorn-Knopp of fp32 logits [..., n, n] (rows normalized first, ``iters`` times rows then columns), as
+    ``design_mhc.sinkhorn_iterates`` to fp32 rounding, contiguous. None when the kernel does not take these logits:
+    not fp32 CPU, or some token's logits spanning more than ``stream_mix.c``'s SK_RANGE (the log-domain form then
+    keeps the tiny entries the linear domain would lose)."""
+    lib, m = library(), _logit_matrices(logits)
+    if lib is None or m is None or logits.shape[-1] != logits.shape[-2]:
+        return None
+    n, tok = logits.shape[-1], m[0].shape[0]
+    res = torch.empty(logits.shape, dtype=torch.float32)
+    ok = _run_tokens(lambda lo, hi: lib.hfd_sinkhorn(_ptr(m[0]), m[1], m[2], m[3], _ptr(res), n, iters, lo, hi), tok)
+    return res if ok else None
+
+
+def sinkhorn_backward(dres: torch.Tensor, logits: torch.Tensor, iters: int) -> torch.Tensor | None:
+    """The gradient of the logits of ``sinkhorn(logits, iters)`` given that of its result ``dres`` (exact through
+    every iteration; the iterates recomputed per token, nothing saved), contiguous fp32; None as ``sinkhorn``."""
+    lib, m = library(), _logit_matrices(logits)
+    if lib is None or m is None or dres.shape != logits.shape or dres.dtype != torch.float32:
+        return None
+    n, tok = logits.shape[-1], m[0].shape[0]
+    g, dL = dres.contiguous(), torch.empty(logits.shape, dtype=torch.float32)
+    ok = _run_tokens(lambda lo, hi: lib.hfd_sinkhorn_bwd(_ptr(m[0]), m[1], m[2], m[3], _ptr(g), _ptr(dL), n, iters,
+                                                        lo, hi), tok)
+    return dL if ok else None
