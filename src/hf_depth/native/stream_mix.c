@@ -24,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__FMA__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 /* a + b c as ATen's CPU addcmul forms it: one fused multiply-add where the CPU has one (its vectorized kernels) */
 #ifdef __FMA__
@@ -40,6 +43,60 @@ static inline float sm_dot(const float *restrict a, const float *restrict b, int
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* 8 floats as one vector (GCC / clang vector extension): the dot products' lanes, in registers */
+typedef float sm_v8 __attribute__((vector_size(32)));
+
+static inline sm_v8 sm_splat(float x) {
+    const sm_v8 v = {x, x, x, x, x, x, x, x};
+    return v;
+}
+
+/* a + b c per lane, rounded as SM_MADD: one fused multiply-add where the CPU has one */
+static inline sm_v8 sm_vmadd(sm_v8 a, sm_v8 b, sm_v8 c) {
+#if defined(__FMA__) && defined(__AVX__)
+    return (sm_v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
+#else
+    return a + b * c;
+#endif
+}
+
+/* the most rows (r) and streams (n) the mixing backward takes (the caller checks) */
+#define SM_MAX_ROWS 16
+
+static inline sm_v8 sm_load(const float *p) {
+    sm_v8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* out[s] = a . b_s for the n rows b_s = b + s sb, each summed as ``sm_dot`` does (the same bits), a read once */
+static inline void sm_dots(float *out, const float *restrict a, const float *restrict b, int64_t sb, int64_t n,
+                           int64_t d) {
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+        const float *b0 = b + s * sb, *b1 = b0 + sb, *b2 = b1 + sb, *b3 = b2 + sb;
+        sm_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const sm_v8 v = sm_load(a + i);
+            a0 += v * sm_load(b0 + i);
+            a1 += v * sm_load(b1 + i);
+            a2 += v * sm_load(b2 + i);
+            a3 += v * sm_load(b3 + i);
+        }
+#define SM_SUM(x) (((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])))
+        float s0 = SM_SUM(a0), s1 = SM_SUM(a1), s2 = SM_SUM(a2), s3 = SM_SUM(a3);
+        for (; i < d; i++) {
+            s0 += a[i] * b0[i];
+            s1 += a[i] * b1[i];
+            s2 += a[i] * b2[i];
+            s3 += a[i] * b3[i];
+        }
+        out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
+    }
+    for (; s < n; s++) out[s] = sm_dot(a, b + s * sb, d);
 }
 
 /* o = sum_s c[s * sc] x[s * sx + .] over n terms, as the eager form: the first product, then multiply-adds */
@@ -76,23 +133,32 @@ int hfd_stream_mix_bwd(const float *M, int64_t smt, int64_t smr, int64_t smc, co
         float *dMt = dM + t * r * n, *dHt = dH + t * n * d;
         for (int64_t i = 0; i < r; i++) {
             const float *g = i < r0 ? G0 + t * sat + i * sar : G1 + t * sbt + (i - r0) * sbr;
-            for (int64_t s = 0; s < n; s++) dMt[i * n + s] = sm_dot(g, Ht + s * shs, d);
+            sm_dots(dMt + i * n, g, Ht, shs, n, d);
         }
-        for (int64_t s = 0; s < n; s++) {  /* dH_s = sum_i M[i, s] G_i: rows of G1 first, then G0's (the eager order) */
-            float *restrict o = dHt + s * d;
-            int first = 1;
-            for (int64_t i = r0; i < r + r0; i++) {
-                const int64_t row = i < r ? i : i - r;
-                const float c = Mt[row * smr + s * smc];
-                const float *restrict g = row < r0 ? G0 + t * sat + row * sar : G1 + t * sbt + (row - r0) * sbr;
-                if (first) {
-                    for (int64_t k = 0; k < d; k++) o[k] = c * g[k];
-                    first = 0;
-                } else {
-                    for (int64_t k = 0; k < d; k++) o[k] = SM_MADD(o[k], c, g[k]);
-                }
+        /* dH_s = sum_i M[i, s] G_i: rows of G1 first, then G0's (the eager order), 8 columns at a time for every s
+         * (each G row read once per chunk; the sums in registers) */
+        const float *g[SM_MAX_ROWS];
+        float c[SM_MAX_ROWS * SM_MAX_ROWS];
+        for (int64_t i = r0; i < r + r0; i++) {
+            const int64_t row = i < r ? i : i - r, u = i - r0;
+            g[u] = row < r0 ? G0 + t * sat + row * sar : G1 + t * sbt + (row - r0) * sbr;
+            for (int64_t s = 0; s < n; s++) c[s * r + u] = Mt[row * smr + s * smc];
+        }
+        int64_t k = 0;
+        for (; k + 8 <= d; k += 8)
+            for (int64_t s = 0; s < n; s++) {
+                const float *cs = c + s * r;
+                sm_v8 o = sm_splat(cs[0]) * sm_load(g[0] + k);
+                for (int64_t u = 1; u < r; u++) o = sm_vmadd(o, sm_splat(cs[u]), sm_load(g[u] + k));
+                memcpy(dHt + s * d + k, &o, sizeof(o));
             }
-        }
+        for (; k < d; k++)
+            for (int64_t s = 0; s < n; s++) {
+                const float *cs = c + s * r;
+                float o = cs[0] * g[0][k];
+                for (int64_t u = 1; u < r; u++) o = SM_MADD(o, cs[u], g[u][k]);
+                dHt[s * d + k] = o;
+            }
     }
     return 0;
 }
