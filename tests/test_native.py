@@ -162,6 +162,18 @@ def test_the_library_is_built_once_into_its_cache(monkeypatch, tmp_path):
     assert not list(tmp_path.glob("*.tmp*")) and len(list(tmp_path.iterdir())) == 1  # no partial files left
 
 
+def test_a_changed_header_rebuilds_the_library(monkeypatch, tmp_path):
+    """The build key covers the headers the sources include, not only the sources."""
+    cache, extra = tmp_path / "cache", tmp_path / "extra.h"
+    monkeypatch.setenv("HF_DEPTH_NATIVE_CACHE", str(cache))
+    monkeypatch.setattr(native, "HEADERS", (*native.HEADERS, str(extra)))  # an absolute path: read as it is
+    for version in ("/* one */", "/* two */"):
+        extra.write_text(version)
+        monkeypatch.setattr(native, "_LIB", None)
+        assert native.library() is not None
+    assert len(list(cache.glob("hf_depth_native_*.so"))) == 2
+
+
 @pytest.mark.parametrize("var,value", [("HF_DEPTH_NATIVE", "maybe"), ("HF_DEPTH_NATIVE", "off"),
                                        ("HF_DEPTH_KERNELS", "cuda")])
 def test_an_unknown_switch_value_is_refused_by_name(var, value, monkeypatch):
@@ -273,7 +285,8 @@ def test_native_sinkhorn_equals_the_reference():
 @pytest.mark.parametrize("layers", [1, 2, 7])
 def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
     """HC / mHC (the streams' one-pass kernels in forward, rebuild and backward; mHC's Sinkhorn): logits equal the
-    eager form's (HC: bit for bit) and every parameter gradient at fp32 rounding; the thread count changes no bit."""
+    eager form's (HC: bit for bit) and every parameter gradient at fp32 rounding; neither the thread count nor
+    activation checkpointing changes a bit."""
     model = tiny_model(design, num_hidden_layers=layers, **extra)
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
     calls = []
@@ -295,6 +308,10 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(logits, logits2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
+    model.activation_checkpointing_enable()  # the recomputed forward runs the same kernels: the same gradients
+    ckpt_logits, ckpt = run()
+    model.activation_checkpointing_disable()
+    assert torch.equal(logits, ckpt_logits) and all(torch.equal(grads[k], ckpt[k]) for k in grads)
     monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
     eager_logits, eager = run()
     if design == "hc":

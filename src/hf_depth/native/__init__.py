@@ -1,10 +1,11 @@
 """Native CPU kernels: fused C loops for CPU work that eager PyTorch can only do in several memory-bound passes.
 
-Today one op: MoDA's depth part (``moda_depth.c``), the per-token scores against the depth K/V banks, their merge
-with the sequence softmax and the weighted sum of the depth values, and its backward, reading each bank once per
-direction (eager PyTorch streams them four to five times per step, through per-token batched products at a fraction
-of the memory bandwidth). ``hf_depth.models.depth_ops`` calls it on CPU for fp32 accumulation; the eager form stays
-the reference and the fallback (tests compare both).
+``OPS`` lists them: MoDA's depth part (``moda_depth.c``), the per-token scores against the depth K/V banks, their
+merge with the sequence softmax and the weighted sum of the depth values, and its backward, reading each bank once
+per direction (eager PyTorch streams them four to five times per step, through per-token batched products at a
+fraction of the memory bandwidth); HC / mHC's stream mixing, its backward and the write's backward, one pass per
+token, and mHC's Sinkhorn with its backward (``stream_mix.c``). ``hf_depth.models.depth_ops`` calls them on CPU
+for fp32; the eager forms stay the reference and the fallback (tests compare both).
 
 The C source ships with the package and is compiled on first use with the system C compiler (``$CC``, else
 ``cc`` / ``gcc`` / ``clang``; ``-O3 -march=native``, no Python or torch headers, loaded with ``ctypes``, which
@@ -35,6 +36,8 @@ from pathlib import Path
 import torch
 
 SOURCES = ("moda_depth.c", "stream_mix.c")
+#: included by the sources (part of the build key: a change rebuilds)
+HEADERS = ("common.h",)
 #: the native ops, by what they serve
 OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)",
        "stream_mix": "HC / mHC stream mixing and the write's and the mixing's backward (depth_ops._Route, _Write)",
@@ -93,7 +96,7 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
     here = Path(__file__).parent
-    source = b"".join((here / s).read_bytes() for s in SOURCES)
+    source = b"".join((here / s).read_bytes() for s in (*SOURCES, *HEADERS))
     version = subprocess.run([*cc.split(), "--version"], capture_output=True, text=True, timeout=60).stdout
     errors = []
     for arch in (_ARCH, ()):  # -march=native first; a compiler that does not know it builds generic code

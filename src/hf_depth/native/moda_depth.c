@@ -28,22 +28,14 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
+
 #ifndef TC
 #define TC 32
 #endif
 #ifndef SB
 #define SB 8
 #endif
-
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
 
 static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
@@ -89,7 +81,7 @@ static void slot_dots(float *restrict s, const float *xc, const float *Bk, const
                 const float *x = xc + (r * TC + ti) * hd;
                 float *sp = s + (r * TC + ti) * D + j0;
                 for (int64_t u = 0; u < jn; u++)
-                    sp[u] = (!live || live[j0 + u]) ? dot(x, Bk + (j0 + u) * sj + ti * st, hd) * scaling
+                    sp[u] = (!live || live[j0 + u]) ? hfd_dot(x, Bk + (j0 + u) * sj + ti * st, hd) * scaling
                                                     : -INFINITY;
             }
     }
@@ -162,7 +154,7 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
             for (int64_t ti = 0; ti < x.tn; ti++) {
                 const int64_t h = x.hk * rep + r, k = r * TC + ti;
                 const float tot = lse[x.b * sl[0] + h * sl[1] + (x.t0 + ti) * sl[2]];
-                const float rsum = dot(dc + k * hd, o + ((x.b * T + x.t0 + ti) * H + h) * hd, hd);
+                const float rsum = hfd_dot(dc + k * hd, o + ((x.b * T + x.t0 + ti) * H + h) * hd, hd);
                 float *pr = p + k * D, *dr = dd + k * D;
                 const int64_t out = (x.b * H + h) * T + x.t0 + ti, plane = B * H * T;  /* P, DD: [D, B, H, T] */
                 for (int64_t j = 0; j < D; j++) {

@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "common.h"
 #if defined(__FMA__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -34,16 +36,6 @@
 #else
 #define SM_MADD(a, b, c) ((a) + (b) * (c))
 #endif
-
-static inline float sm_dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
 
 /* 8 floats as one vector (GCC / clang vector extension): the dot products' lanes, in registers */
 typedef float sm_v8 __attribute__((vector_size(32)));
@@ -71,7 +63,7 @@ static inline sm_v8 sm_load(const float *p) {
     return v;
 }
 
-/* out[s] = a . b_s for the n rows b_s = b + s sb, each summed as ``sm_dot`` does (the same bits), a read once */
+/* out[s] = a . b_s for the n rows b_s = b + s sb, each summed as ``hfd_dot`` does (the same bits), a read once */
 static inline void sm_dots(float *out, const float *restrict a, const float *restrict b, int64_t sb, int64_t n,
                            int64_t d) {
     int64_t s = 0;
@@ -96,7 +88,7 @@ static inline void sm_dots(float *out, const float *restrict a, const float *res
         }
         out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
     }
-    for (; s < n; s++) out[s] = sm_dot(a, b + s * sb, d);
+    for (; s < n; s++) out[s] = hfd_dot(a, b + s * sb, d);
 }
 
 /* o = sum_s c[s * sc] x[s * sx + .] over n terms, as the eager form: the first product, then multiply-adds */
@@ -169,7 +161,7 @@ int hfd_stream_write_bwd(const float *w, int64_t swt, int64_t sws, const float *
     for (int64_t t = t0; t < t1; t++) {
         const float *dHt = dH + t * sdt, *yt = y + t * syt;
         sm_combine(dy + t * d, w + t * swt, sws, dHt, sds, n, d);
-        for (int64_t s = 0; s < n; s++) dw[t * n + s] = sm_dot(dHt + s * sds, yt, d);
+        for (int64_t s = 0; s < n; s++) dw[t * n + s] = hfd_dot(dHt + s * sds, yt, d);
     }
     return 0;
 }
