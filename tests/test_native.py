@@ -279,6 +279,7 @@ def test_native_sinkhorn_equals_the_reference():
     wide[1, 3, 2, 0] = float("nan")
     assert native.sinkhorn(wide, 20) is None
     assert native.sinkhorn(wide.double(), 20) is None
+    assert native.sinkhorn(L, 0) is None  # no iteration: exp(logits) unnormalized, the eager form's
 
 
 @pytest.mark.parametrize("design,extra", [("hc", {}), ("mhc", {}), ("mhc", {"mhc_sinkhorn_order": "columns_first"})])

@@ -408,7 +408,7 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor | None:
     not fp32 CPU, or some token's logits spanning more than ``stream_mix.c``'s SK_RANGE (the log-domain form then
     keeps the tiny entries the linear domain would lose)."""
     lib, m = library(), _logit_matrices(logits)
-    if lib is None or m is None or logits.shape[-1] != logits.shape[-2]:
+    if lib is None or m is None or logits.shape[-1] != logits.shape[-2] or iters < 1:
         return None
     n, tok = logits.shape[-1], m[0].shape[0]
     res = torch.empty(logits.shape, dtype=torch.float32)
@@ -420,7 +420,7 @@ def sinkhorn_backward(dres: torch.Tensor, logits: torch.Tensor, iters: int) -> t
     """The gradient of the logits of ``sinkhorn(logits, iters)`` given that of its result ``dres`` (exact through
     every iteration; the iterates recomputed per token, nothing saved), contiguous fp32; None as ``sinkhorn``."""
     lib, m = library(), _logit_matrices(logits)
-    if lib is None or m is None or dres.shape != logits.shape or dres.dtype != torch.float32:
+    if lib is None or m is None or dres.shape != logits.shape or dres.dtype != torch.float32 or iters < 1:
         return None
     n, tok = logits.shape[-1], m[0].shape[0]
     g, dL = dres.contiguous(), torch.empty(logits.shape, dtype=torch.float32)
