@@ -254,6 +254,11 @@ def test_stream_kernels_decline_what_they_do_not_take():
     assert native.stream_mix(torch.randn(3, 3, 5, 4), H, 1) is None
     assert native.stream_mix_backward(M, H, None, torch.randn(2, 3, 5, 8).half()) is None
     assert native.stream_write_backward(torch.randn(2, 3, 4).double(), torch.randn(2, 3, 4, 8), torch.randn(2, 3, 8)) is None
+    wide = native.MAX_STREAM_ROWS  # more streams than the backward's fixed buffers: declined, never overrun
+    Mw, Hw = torch.randn(2, wide + 1, wide), torch.randn(2, wide, 8)
+    assert native.stream_mix_backward(Mw, Hw, None, torch.randn(2, wide + 1, 8)) is None
+    x, mixed = native.stream_mix(Mw, Hw, 1)  # the forward has no such buffers
+    torch.testing.assert_close(mixed, Mw[:, 1:] @ Hw)
 
 
 def test_native_sinkhorn_equals_the_reference():

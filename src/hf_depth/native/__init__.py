@@ -345,6 +345,10 @@ def stream_mix(M: torch.Tensor, H: torch.Tensor, split: int) -> tuple[torch.Tens
     return outs
 
 
+#: the most rows (r) and streams (n) ``stream_mix_backward`` takes (``stream_mix.c``'s SM_MAX_ROWS; more: eager)
+MAX_STREAM_ROWS = 16
+
+
 def stream_mix_backward(M: torch.Tensor, H: torch.Tensor, G0: torch.Tensor | None, G1: torch.Tensor):
     """The backward of ``[G0-rows; G1-rows] = M H`` per token: (dM [tokens, r, n], dH [..., n, d]) fp32, given the
     gradients of the first ``r0`` rows G0 [..., r0, d] (None: no such rows) and of the others G1 [..., r - r0, d].
@@ -355,7 +359,7 @@ def stream_mix_backward(M: torch.Tensor, H: torch.Tensor, G0: torch.Tensor | Non
     h, b = _token_rows(H, n, d), _token_rows(G1, r - r0, d)
     a = (None, 0, 0) if G0 is None else _token_rows(G0, r0, d)
     m = _matrices(M, H.shape[:-2])
-    if lib is None or None in (h, a, b, m) or M.shape[-1] != n:
+    if lib is None or None in (h, a, b, m) or M.shape[-1] != n or max(r, n) > MAX_STREAM_ROWS:
         return None
     tok = h[0].shape[0]
     dM, dH = torch.empty(tok, r, n, dtype=torch.float32), torch.empty(H.shape, dtype=torch.float32)

@@ -120,6 +120,7 @@ int hfd_stream_mix_bwd(const float *M, int64_t smt, int64_t smr, int64_t smc, co
                        int64_t shs, const float *G0, int64_t sat, int64_t sar, const float *G1, int64_t sbt,
                        int64_t sbr, float *dM, float *dH, int64_t r0, int64_t r, int64_t n, int64_t d, int64_t t0,
                        int64_t t1) {
+    if (r > SM_MAX_ROWS || n > SM_MAX_ROWS) return 2; /* the caller checks: never reached from Python */
     for (int64_t t = t0; t < t1; t++) {
         const float *Mt = M + t * smt, *Ht = H + t * sht;
         float *dMt = dM + t * r * n, *dHt = dH + t * n * d;
