@@ -872,13 +872,13 @@ def native_stream_op(H: torch.Tensor, op: str, *args):
 
 def _read_and_mix(M: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``read_and_mix(M, H)``: the native one-pass kernel where it runs (the same values, bit for bit on FMA CPUs)."""
-    out = native.stream_mix(M, H, 1) if _native_streams(H) else None
+    out = native_stream_op(H, "stream_mix", M, H, 1)
     return read_and_mix(M, H) if out is None else out
 
 
 def _mix(M: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
     """``mix_streams(M, H)``, native where it runs (see ``_read_and_mix``)."""
-    out = native.stream_mix(M, H, 0) if _native_streams(H) else None
+    out = native_stream_op(H, "stream_mix", M, H, 0)
     return mix_streams(M, H) if out is None else out[0]
 
 
@@ -971,7 +971,7 @@ class _Route(torch.autograd.Function):
         dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
         dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
         # the gradient of [x; mixed] = M H is [dx; dmixed], used by rows (never concatenated: a stream-sized copy)
-        both = native.stream_mix_backward(M, H, dx.unsqueeze(-2), dmixed) if _native_streams(H) else None
+        both = native_stream_op(H, "stream_mix_backward", M, H, dx.unsqueeze(-2), dmixed)
         if both is None:
             HT = _tokens(H).transpose(1, 2)  # per token [d, n]; bmm on 3-d views (no broadcasting matmul's extra ops)
             dM = torch.cat((torch.bmm(_tokens(dx.unsqueeze(-2)), HT), torch.bmm(_tokens(dmixed), HT)), dim=1)
@@ -1021,7 +1021,7 @@ class _Write(torch.autograd.Function):
     def backward(ctx, dH):
         seg = ctx.seg
         w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
-        both = native.stream_write_backward(w, dH, y) if _native_streams(dH) else None
+        both = native_stream_op(dH, "stream_write_backward", w, dH, y)
         if both is not None:  # one pass per token over dH: dy = w^T dH and dw = dH y together
             return None, None, None, dH, both[1].view(dH.shape[:-1]), both[0]  # static w: autograd sums dw
         wm = w.to(ctx.mixed_dtype).expand(dH.shape[:-1])  # static weights: [n], one for every token

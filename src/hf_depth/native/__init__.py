@@ -41,7 +41,7 @@ HEADERS = ("common.h",)
 #: the native ops, by what they serve
 OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)",
        "stream_mix": "HC / mHC stream mixing and the write's and the mixing's backward (depth_ops._Route, _Write)",
-       "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.sinkhorn_native)"}
+       "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.native_stream_op)"}
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c99")
 _ARCH = ("-march=native",)
 
@@ -287,7 +287,6 @@ def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tenso
     return acc.grads(lo, hi)
 
 
-
 # --------------------------------------------------------------------------- HC / mHC stream mixing (stream_mix.c)
 def _token_rows(t: torch.Tensor | None, rows: int, width: int):
     """(tensor, token stride, row stride) of ``t`` [..., rows, width] read as [tokens, rows, width] without a copy
@@ -298,16 +297,16 @@ def _token_rows(t: torch.Tensor | None, rows: int, width: int):
         return None
     if t.dim() == 2:
         return t, 0, t.stride(0)
-    flat = t.view(-1, rows, width) if _viewable(t) else None
+    flat = _flat(t)
     return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1))
 
 
-def _viewable(t: torch.Tensor) -> bool:
+def _flat(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` [..., a, b] as a [tokens, a, b] view, or None where its strides allow no view."""
     try:
-        t.view(-1, *t.shape[-2:])
+        return t.view(-1, *t.shape[-2:])
     except RuntimeError:
-        return False
-    return True
+        return None
 
 
 def _matrices(M: torch.Tensor, lead: torch.Size):
@@ -317,10 +316,8 @@ def _matrices(M: torch.Tensor, lead: torch.Size):
         return None
     if M.dim() == 2:
         return M, 0, M.stride(0), M.stride(1)
-    if M.shape[:-2] != lead or not _viewable(M):
-        return None
-    flat = M.view(-1, *M.shape[-2:])
-    return flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1), flat.stride(2)
+    flat = _flat(M) if M.shape[:-2] == lead else None
+    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1), flat.stride(2))
 
 
 def stream_mix(M: torch.Tensor, H: torch.Tensor, split: int) -> tuple[torch.Tensor, ...] | None:
@@ -386,11 +383,8 @@ def stream_write_backward(w: torch.Tensor, dH: torch.Tensor, y: torch.Tensor):
 
 
 def _logit_matrices(L: torch.Tensor):
-    """(tensor [tokens, n, n], token, row and column strides) of fp32 CPU logits [..., n, n] without a copy, else None."""
-    if L.dtype != torch.float32 or L.device.type != "cpu" or L.dim() < 3 or not _viewable(L):
-        return None
-    flat = L.view(-1, *L.shape[-2:])
-    return flat, flat.stride(0), flat.stride(1), flat.stride(2)
+    """``_matrices`` of per-token logits [..., n, n] (at least one leading dim: a 2-d L is not one per token)."""
+    return _matrices(L, L.shape[:-2]) if L.dim() >= 3 else None
 
 
 def _run_tokens(fn, tok: int) -> bool:

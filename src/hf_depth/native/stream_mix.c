@@ -15,9 +15,10 @@
  * products' at ~1e-7 relative).
  *
  * Layouts (strides in elements, the last dim contiguous): M [tok, r, n] (smt, smr, smc; smt = 0 for one M for every
- * token); H, dH_in [tok, n, d] (sht, shs; shs = 0 for a broadcast stream); out0 [tok, r0, d] and out1
- * [tok, r - r0, d] contiguous; G0 [tok, r0, d] (sat, sar), G1 [tok, r - r0, d] (sbt, sbr); dM [tok, r, n] and
- * dH [tok, n, d] contiguous; w [tok, n] (swt, sws); y [tok, d] (syt); dy [tok, d], dw [tok, n] contiguous.
+ * token); H [tok, n, d] (sht, shs; shs = 0 for a broadcast stream); out0 [tok, r0, d] and out1 [tok, r - r0, d]
+ * contiguous; G0 [tok, r0, d] (sat, sar), G1 [tok, r - r0, d] (sbt, sbr); dM [tok, r, n] and dH [tok, n, d]
+ * contiguous; the write's w [tok, n] (swt, sws), dH [tok, n, d] (sdt, sds), y [tok, d] (syt); dy [tok, d] and
+ * dw [tok, n] contiguous.
  * A call handles tokens [t0, t1) (threads split the range).
  */
 #include <math.h>
@@ -29,6 +30,9 @@
 #if defined(__FMA__) && defined(__AVX__)
 #include <immintrin.h>
 #endif
+
+/* the most rows (r) and streams (n) the mixing backward takes (the caller checks: native.MAX_STREAM_ROWS) */
+#define SM_MAX_ROWS 16
 
 /* a + b c as ATen's CPU addcmul forms it: one fused multiply-add where the CPU has one (its vectorized kernels) */
 #ifdef __FMA__
@@ -53,9 +57,6 @@ static inline sm_v8 sm_vmadd(sm_v8 a, sm_v8 b, sm_v8 c) {
     return a + b * c;
 #endif
 }
-
-/* the most rows (r) and streams (n) the mixing backward takes (the caller checks) */
-#define SM_MAX_ROWS 16
 
 static inline sm_v8 sm_load(const float *p) {
     sm_v8 v;
@@ -124,17 +125,18 @@ int hfd_stream_mix_bwd(const float *M, int64_t smt, int64_t smr, int64_t smc, co
     for (int64_t t = t0; t < t1; t++) {
         const float *Mt = M + t * smt, *Ht = H + t * sht;
         float *dMt = dM + t * r * n, *dHt = dH + t * n * d;
+        const float *gi[SM_MAX_ROWS]; /* row i of [G0; G1] */
         for (int64_t i = 0; i < r; i++) {
-            const float *g = i < r0 ? G0 + t * sat + i * sar : G1 + t * sbt + (i - r0) * sbr;
-            sm_dots(dMt + i * n, g, Ht, shs, n, d);
+            gi[i] = i < r0 ? G0 + t * sat + i * sar : G1 + t * sbt + (i - r0) * sbr;
+            sm_dots(dMt + i * n, gi[i], Ht, shs, n, d);
         }
         /* dH_s = sum_i M[i, s] G_i: rows of G1 first, then G0's (the eager order), 8 columns at a time for every s
          * (each G row read once per chunk; the sums in registers) */
         const float *g[SM_MAX_ROWS];
         float c[SM_MAX_ROWS * SM_MAX_ROWS];
-        for (int64_t i = r0; i < r + r0; i++) {
-            const int64_t row = i < r ? i : i - r, u = i - r0;
-            g[u] = row < r0 ? G0 + t * sat + row * sar : G1 + t * sbt + (row - r0) * sbr;
+        for (int64_t u = 0; u < r; u++) {
+            const int64_t row = (u + r0) % r;
+            g[u] = gi[row];
             for (int64_t s = 0; s < n; s++) c[s * r + u] = Mt[row * smr + s * smc];
         }
         int64_t k = 0;
