@@ -290,10 +290,15 @@ def test_native_sinkhorn_equals_the_reference():
 @pytest.mark.parametrize("design,extra", [("hc", {}), ("mhc", {}), ("mhc", {"mhc_sinkhorn_order": "columns_first"})])
 @pytest.mark.parametrize("layers", [1, 2, 7])
 def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
-    """HC / mHC (the streams' one-pass kernels in forward, rebuild and backward; mHC's Sinkhorn): logits equal the
-    eager form's (HC: bit for bit) and every parameter gradient at fp32 rounding; neither the thread count nor
-    activation checkpointing changes a bit."""
+    """HC / mHC (the streams' one-pass kernels in forward, rebuild and backward; dynamic HC's fused routing, mHC's
+    Sinkhorn), with routing weights away from their init: logits and every parameter gradient equal the eager
+    form's at fp32 rounding; neither the thread count nor activation checkpointing changes a bit."""
     model = tiny_model(design, num_hidden_layers=layers, **extra)
+    with torch.no_grad():  # input-dependent gates (at init the dynamic projections are zero: tanh(0) = 0 exactly)
+        g = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if "connection" in name:
+                p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
     calls = []
     real = native.stream_mix
@@ -320,8 +325,6 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
     assert torch.equal(logits, ckpt_logits) and all(torch.equal(grads[k], ckpt[k]) for k in grads)
     monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
     eager_logits, eager = run()
-    if design == "hc":
-        assert torch.equal(logits, eager_logits)
     torch.testing.assert_close(logits, eager_logits, atol=1e-6 * max(1.0, eager_logits.abs().max().item()), rtol=1e-6)
     assert grads.keys() == eager.keys()
     for name in eager:
@@ -355,3 +358,76 @@ def test_mhc_logits_out_of_the_kernels_range_take_the_log_domain_form(monkeypatc
     for k in eager:
         assert torch.isfinite(grads[k]).all()
         torch.testing.assert_close(grads[k], eager[k], atol=1e-6 * max(1.0, eager[k].abs().max().item()), rtol=1e-5)
+
+
+def _hc_reference(H, WT, sa, sb, a_scale, b_scale, eps):
+    """Dynamic HC's routing from the paper's equations (Zhu et al., Algorithm 2), in H's dtype: r = 1 / rms(H),
+    P = (H W) r, A = sa + a tanh(P[:, :n+1]), beta = sb + b tanh(P[:, n+1]), x = A[:, 0]^T H, mixed = A[:, 1:]^T H."""
+    n = H.shape[-2]
+    r = torch.rsqrt(H.pow(2).mean(-1, keepdim=True) + eps)
+    P = (H @ WT.T) * r
+    T = torch.tanh(P)
+    A = sa + a_scale * T[..., : n + 1]
+    beta = sb + b_scale * T[..., n + 1]
+    return torch.einsum("...s,...sd->...d", A[..., 0], H), torch.einsum("...si,...sd->...id", A[..., 1:], H), A, beta, r, P
+
+
+@pytest.mark.parametrize("n,d,lead,broadcast", [(4, 64, (3, 37), False), (4, 37, (1, 1), False), (2, 40, (2, 70), False),
+                                                (5, 33, (111,), False), (4, 64, (2, 40), True)])
+def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
+    """``native.hc_route`` / ``hc_mixing`` / ``hc_route_backward`` against the equations in float64 and their
+    autograd gradients (H, W = [W_a | w_b], static alpha and beta, both gate scales): d no multiple of 8, one token,
+    several 64-token sum blocks, a broadcast first H (the embedding's n copies). ``hc_mixing`` forms the same M bits
+    as the route, and the mixing's rows equal ``stream_mix`` of that M (the rebuild's) bit for bit; two threads
+    change no bit."""
+    g = torch.Generator().manual_seed(n * d)
+    H = torch.randn(*lead, 1 if broadcast else n, d, generator=g) * 2
+    H = H.expand(*lead, n, d) if broadcast else H
+    WT, sa, sb = torch.randn(n + 2, d, generator=g) * 0.1, torch.randn(n, n + 1, generator=g), torch.randn(n, generator=g)
+    a_scale, b_scale, eps = torch.tensor(0.3), torch.tensor(-0.2), 1e-8
+    leaves = [t.double().requires_grad_() for t in (H, WT, sa, sb, a_scale, b_scale)]
+    ref = _hc_reference(*leaves, eps)
+    got = native.hc_route(H, WT, sa, sb, a_scale, b_scale, eps)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+    x, mixed, A, beta, r, P = got
+    M, beta2 = native.hc_mixing(P, WT, sa, sb, a_scale, b_scale)
+    assert torch.equal(M, A.transpose(-1, -2)) and torch.equal(beta2, beta)
+    x2, mixed2 = native.stream_mix(M, H, 1)  # the segment rebuild's mixing (training shapes): the same bits
+    assert torch.equal(x2, x) and torch.equal(mixed2, mixed)
+    dx, dmixed, dbeta = (torch.randn(t.shape, generator=g) for t in (x, mixed, beta))
+    want = torch.autograd.grad(ref[:4], leaves, (dx.double(), dmixed.double(), torch.zeros_like(ref[2]), dbeta.double()))
+    out = native.hc_route_backward(H, WT, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
+    dH, dWT, dsa, dsb, das, dbs = out
+    for name, a, b in zip(("H", "WT", "static_alpha", "static_beta", "alpha_scale", "beta_scale"),
+                          (dH, dWT, dsa, dsb, das, dbs), want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()), msg=name)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        again = native.hc_route_backward(H, WT, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
+        assert all(torch.equal(a, b) for a, b in zip(out, again))
+        assert all(torch.equal(a, b) for a, b in zip(got, native.hc_route(H, WT, sa, sb, a_scale, b_scale, eps)))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fused_hc_routing_declines_what_it_does_not_take(monkeypatch):
+    """More streams than the kernel's buffers, half precision, mismatched weights: None (the caller's eager steps
+    run). In a model, static HC and ``hc_stream_mixing=False`` keep the by-hand steps; dynamic HC fuses."""
+    H = torch.randn(2, 9, 9, 16)
+    WT, sa, sb, s = torch.randn(11, 16), torch.randn(9, 10), torch.randn(9), torch.tensor(0.1)
+    assert native.hc_route(H, WT, sa, sb, s, s, 1e-8) is None  # n = 9 > MAX_HC_STREAMS
+    H4 = torch.randn(2, 9, 4, 16)
+    assert native.hc_route(H4.bfloat16(), WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8) is None
+    assert native.hc_route(H4, WT[:5], sa[:4, :5], sb[:4], s, s, 1e-8) is None
+    assert native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8) is not None
+    calls = []
+    real = native.hc_route
+    monkeypatch.setattr(native, "hc_route", lambda *a: calls.append(1) or real(*a))
+    x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))
+    for extra, fused in (({}, True), ({"hc_dynamic": False}, False), ({"hc_stream_mixing": False}, False)):
+        calls.clear()
+        model = tiny_model("hc", num_hidden_layers=1, **extra)
+        model(x, labels=x, use_cache=False).loss.backward()
+        assert bool(calls) == fused, extra

@@ -929,7 +929,10 @@ class _Segment:
             if j == self.start:
                 H, saved = saved[0], saved[1:]
             conn = self.routes[j][1]
-            M, state = conn.routing_rebuild(saved)
+            if not self.routes[j][0]().fused:
+                M, state = conn.routing_rebuild(saved)
+            else:  # the fused backward needs no M: only the streams of the next sublayer do
+                M, state = (conn.fused_mixing(H, saved) if j < s else None), None
             self.local[j] = (H, saved, M, state)
             if j < s:
                 w, y = self._write_saved(j)
@@ -950,7 +953,12 @@ class _Route(torch.autograd.Function):
         ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
         ctx.by_hand = not dispatch.use_triton(H)
         with torch.autocast(device_type=H.device.type, enabled=False):
-            if ctx.by_hand:
+            fused = conn.fused_route(H) if ctx.by_hand else None
+            ctx.fused = fused is not None
+            if fused is not None:  # the routing and the mixing in one native pass
+                x, mixed, w, seen, saved = fused
+                ctx.save_for_backward(*((H,) if start else ()), *saved)
+            elif ctx.by_hand:
                 M, w, seen, saved = conn.routing_saved(H)
                 x, mixed = _read_and_mix(M, H)
                 ctx.save_for_backward(*((H,) if start else ()), *saved)
@@ -970,6 +978,13 @@ class _Route(torch.autograd.Function):
             ctx.seg.local.clear()
         dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
         dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
+        if dw is None:
+            dw = torch.zeros(H.shape[:-1], dtype=torch.float32, device=H.device)
+        fused = conn.fused_backward(H, saved, dx, dmixed, dw) if ctx.fused else None
+        if fused is not None:
+            return _Route.param_grads(conn, *fused)
+        if ctx.fused:  # a fused forward whose backward declined: the by-hand steps from the same M
+            M, state = conn.fused_mixing(H, saved), conn.routing_rebuild(saved)[1]
         # the gradient of [x; mixed] = M H is [dx; dmixed], used by rows (never concatenated: a stream-sized copy)
         both = native_stream_op(H, "stream_mix_backward", M, H, dx.unsqueeze(-2), dmixed)
         if both is None:
@@ -980,9 +995,11 @@ class _Route(torch.autograd.Function):
         else:  # one pass per token: dM's dot products and dH's sums (the eager dH's order of terms)
             dM, dH = both
         dM = _sum_to(dM.view(H.shape[:-2] + dM.shape[1:]), M).to(M.dtype)
-        if dw is None:
-            dw = torch.zeros(H.shape[:-1], dtype=M.dtype, device=H.device)
-        grads = conn.routing_backward(H, saved, state, dM, dw.to(M.dtype), dH)
+        return _Route.param_grads(conn, dH, conn.routing_backward(H, saved, state, dM, dw.to(M.dtype), dH))
+
+    @staticmethod
+    def param_grads(conn, dH, grads: dict):
+        """``backward``'s outputs from dH and the {name: gradient} of the connection's parameters."""
         out = [(grads.get(name), p) for name, p in conn.named_parameters(recurse=False)]
         return (None, None, dH, *(None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in out))
 
@@ -1051,6 +1068,9 @@ def stream_route(conn, s: int, H: torch.Tensor):
             return conn.route(H)  # decoding (a few tokens): the reference's fewer ops
         # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
         # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
+        fused = conn.fused_route(H)
+        if fused is not None:
+            return fused[:4]
         M, w, seen, _ = conn.routing_saved(H)
         return (*_read_and_mix(M, H), w, seen)
 

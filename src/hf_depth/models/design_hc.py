@@ -41,7 +41,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, check_fields, field_alias
-from .depth_ops import SEGMENT, _sum_to, stream_route, stream_write
+from .depth_ops import SEGMENT, _sum_to, native_stream_op, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .functional import _acc, inv_rms
 from .modeling_depth import DepthForCausalLM, DepthModel
@@ -209,6 +209,23 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         """{parameter name: gradient} from the gradients of M (summed to M's shape) and of w; the gradient of H
         through the coefficients is added into ``dH`` (H's shape and dtype), in place."""
 
+    # Optionally, one native kernel does all three steps (``depth_ops`` calls these where its CPU path runs the
+    # native kernels; None: the steps above run):
+    def fused_route(self, H: torch.Tensor):
+        """(x, mixed, w, seen, saved) of streams H in one pass (``saved``: what ``fused_mixing`` and
+        ``fused_backward`` take), or None."""
+        return None
+
+    def fused_mixing(self, H: torch.Tensor, saved: tuple) -> torch.Tensor:
+        """M [..., n+1, n] of streams H from the ``saved`` of ``fused_route``, the same bits as it used (the
+        segment's streams are rebuilt with it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused route")
+
+    def fused_backward(self, H: torch.Tensor, saved: tuple, dx, dmixed, dw):
+        """(dH, {parameter name: gradient}) of ``fused_route`` in one pass, given the gradients of x, mixed and w,
+        or None (then ``fused_mixing`` + the by-hand steps run)."""
+        return None
+
     def read(self, state: torch.Tensor, norm: nn.Module | None):
         # saved for backward: H at segment starts, y and the write weights per sublayer (depth_ops.stream_route)
         x, mixed, write_weights, seen = stream_route(self, self.sublayer_idx, state)
@@ -368,6 +385,29 @@ class HCConnection(MultiStreamConnection):
         dW = normalized_projection_backward(H, r, P, dT * (1 - T * T), self._projection(), dH)
         grads["dynamic_alpha"], grads["dynamic_beta"] = dW[:-1].T, dW[-1]
         return grads
+
+    def _routing_params(self) -> tuple:
+        return (self._projection(), self.static_alpha, self.static_beta, self.alpha_scale, self.beta_scale)
+
+    def fused_route(self, H):
+        if not (self.dynamic and self.stream_mixing):
+            return None
+        out = native_stream_op(H, "hc_route", H, *self._routing_params(), self.eps)
+        if out is None:
+            return None
+        x, mixed, A, beta, r, P = out
+        return x, mixed, beta, self._seen_of(A, beta), (r, P)
+
+    def fused_mixing(self, H, saved):
+        return native_stream_op(H, "hc_mixing", saved[1], *self._routing_params())[0]
+
+    def fused_backward(self, H, saved, dx, dmixed, dw):
+        out = native_stream_op(H, "hc_route_backward", H, *self._routing_params(), *saved, dx, dmixed, dw)
+        if out is None:
+            return None
+        dH, dWT, dsa, dsb, das, dbs = out
+        return dH, {"static_alpha": dsa, "static_beta": dsb, "dynamic_alpha": dWT[:-1].T, "dynamic_beta": dWT[-1],
+                    "alpha_scale": das, "beta_scale": dbs}
 
     def depth(self, mixed, beta, out):
         return hc_depth(mixed, beta, out)

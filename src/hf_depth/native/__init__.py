@@ -41,7 +41,9 @@ HEADERS = ("common.h",)
 #: the native ops, by what they serve
 OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)",
        "stream_mix": "HC / mHC stream mixing and the write's and the mixing's backward (depth_ops._Route, _Write)",
-       "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.native_stream_op)"}
+       "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.native_stream_op)",
+       "hc_route": "dynamic HC's whole routing (1/rms, projection, gates, mixing) and its backward, per token "
+                   "(design_hc.HCConnection.fused_route / fused_backward)"}
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c99")
 _ARCH = ("-march=native",)
 
@@ -136,8 +138,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_stream_write_bwd.argtypes = [P, N, N, P, N, N, P, N, P, P, N, N, N, N]
     lib.hfd_sinkhorn.argtypes = [P, N, N, N, P, N, N, N, N]
     lib.hfd_sinkhorn_bwd.argtypes = [P, N, N, N, P, P, N, N, N, N]
+    lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, F, F, F, P, P, P, P, P, P, N, N, N, N]
+    lib.hfd_hc_gates.argtypes = [P, P, P, F, F, P, P, N, N, N]
+    lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, F, F, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
-               lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd):
+               lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
+               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_route_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -425,3 +431,84 @@ def sinkhorn_backward(dres: torch.Tensor, logits: torch.Tensor, iters: int) -> t
     ok = _run_tokens(lambda lo, hi: lib.hfd_sinkhorn_bwd(_ptr(m[0]), m[1], m[2], m[3], _ptr(g), _ptr(dL), n, iters,
                                                         lo, hi), tok)
     return dL if ok else None
+
+
+# --------------------------------------------------------------------------- dynamic HC's routing (stream_mix.c)
+#: the most streams ``hc_route`` takes (``stream_mix.c``'s HC_MAX_STREAMS; more: the eager form)
+MAX_HC_STREAMS = 8
+#: tokens per partial sum of ``hc_route_backward``'s parameter gradients: threads take whole blocks, so the thread
+#: count changes no bit
+HC_SUM_BLOCK = 64
+
+
+def _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n: int, d: int):
+    """(WT, sa, sb) fp32 contiguous and the two gate scales as floats, or None for shapes the kernel does not take."""
+    if WT.shape != (n + 2, d) or static_alpha.shape != (n, n + 1) or static_beta.shape != (n,):
+        return None
+    f32 = (WT.float().contiguous(), static_alpha.float().contiguous(), static_beta.float().contiguous())
+    return (*f32, float(alpha_scale), float(beta_scale))
+
+
+def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scale, eps: float):
+    """Dynamic HC's routing of streams H [..., n, d] (fp32) in one pass per token (``stream_mix.c``): returns
+    (x [..., d], mixed [..., n, d], A [..., n, n + 1], beta [..., n], r [..., n, 1], P [..., n, n + 2]) with
+    r = 1 / rms(H), P = (H WT^T) r for WT = [W_a | w_b]^T, A = static_alpha + alpha_scale tanh(P[..., :n + 1]),
+    beta = static_beta + beta_scale tanh(P[..., n + 1]), x = A[..., 0]^T H and mixed = A[..., 1:]^T H: the function
+    of ``HCConnection.routing_saved`` and ``read_and_mix`` (to fp32 rounding; the mixing's rows formed as
+    ``mix_streams`` forms them from A). None when the kernel does not take these tensors."""
+    lib = library()
+    n, d = H.shape[-2], H.shape[-1]
+    h = _token_rows(H, n, d)
+    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
+    if lib is None or h is None or prm is None or n > MAX_HC_STREAMS:
+        return None
+    lead, tok = H.shape[:-2], h[0].shape[0]
+    x, mixed, A, beta, r, P = (torch.empty(*lead, *shape, dtype=torch.float32)
+                               for shape in ((d,), (n, d), (n, n + 1), (n,), (n, 1), (n, n + 2)))
+    args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm[:3]), *prm[3:], eps,
+            *(_ptr(t) for t in (x, mixed, A, beta, r, P)), n, d)
+    _parallel(lambda lo, hi: lib.hfd_hc_route(*args, lo, hi), tok)
+    return x, mixed, A, beta, r, P
+
+
+def hc_mixing(P: torch.Tensor, WT, static_alpha, static_beta, alpha_scale, beta_scale):
+    """(M = A^T [..., n + 1, n], beta [..., n]) from the saved P [..., n, n + 2] of ``hc_route``, formed as it
+    formed them (the same bits), or None. ``WT`` is unused (``hc_route``'s argument order)."""
+    lib = library()
+    n = P.shape[-2]
+    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, WT.shape[-1])
+    if lib is None or prm is None or P.dtype != torch.float32 or not P.is_contiguous() or n > MAX_HC_STREAMS:
+        return None
+    M, beta = torch.empty(*P.shape[:-2], n + 1, n, dtype=torch.float32), torch.empty(P.shape[:-1], dtype=torch.float32)
+    args = (_ptr(P), *(_ptr(t) for t in prm[1:3]), *prm[3:], _ptr(M), _ptr(beta), n)
+    _parallel(lambda lo, hi: lib.hfd_hc_gates(*args, lo, hi), P[..., 0, 0].numel())
+    return M, beta
+
+
+def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale, r, P, dx, dmixed, dbeta):
+    """The backward of ``hc_route`` through its recomputed gates, one pass per token: (dH [H's shape], dWT [n + 2,
+    d], d static_alpha [n, n + 1], d static_beta [n], d alpha_scale, d beta_scale), fp32, given the gradients of x
+    (dx [..., d]), of mixed (dmixed [..., n, d]) and of beta (dbeta [..., n]) and the saved r, P (contiguous). None
+    when the kernel does not take these tensors."""
+    lib = library()
+    n, d = H.shape[-2], H.shape[-1]
+    h = _token_rows(H, n, d)
+    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
+    if lib is None or h is None or prm is None or n > MAX_HC_STREAMS:
+        return None
+    a = _token_rows(dx.unsqueeze(-2), 1, d) or _token_rows(dx.contiguous().unsqueeze(-2), 1, d)
+    b = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
+    db = dbeta.float().contiguous()
+    if a is None or b is None or not (r.is_contiguous() and P.is_contiguous()):
+        return None
+    tok = h[0].shape[0]
+    blocks = -(-tok // HC_SUM_BLOCK)
+    dH = torch.empty(H.shape, dtype=torch.float32)
+    dWT = torch.zeros(blocks, n + 2, d, dtype=torch.float32)
+    red = torch.zeros(blocks, n * (n + 1) + n + 2, dtype=torch.float64)
+    args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm[:3]), *prm[3:], _ptr(r), _ptr(P), _ptr(a[0]), a[1],
+            _ptr(b[0]), b[1], b[2], _ptr(db), _ptr(dH), _ptr(dWT), _ptr(red), HC_SUM_BLOCK, n, d)
+    _parallel(lambda lo, hi: lib.hfd_hc_route_bwd(*args, lo * HC_SUM_BLOCK, min(hi * HC_SUM_BLOCK, tok)), blocks, 1)
+    red = red.sum(0).float()
+    m = n * (n + 1)
+    return dH, dWT.sum(0), red[:m].view(n, n + 1), red[m:m + n], red[m + n], red[m + n + 1]

@@ -296,3 +296,243 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
     free(P);
     return status;
 }
+
+/* Dynamic HC's routing of one sublayer (design_hc.HCConnection, hc_dynamic and hc_stream_mixing), per token, all in
+ * one pass over its n x d streams H (c = n + 2 projection columns, WT = [W_a | w_b]^T [c, d] contiguous):
+ *   r_s = 1 / sqrt(mean(H_s^2) + eps),  P[s, j] = r_s (H_s . WT_j),  T = tanh(P)
+ *   A[s, i] = sa[s, i] + as T[s, i] (i <= n),  beta_s = sb_s + bs T[s, n + 1]
+ *   x = sum_s A[s, 0] H_s,  mixed_i = sum_s A[s, i + 1] H_s     (sm_combine: mix_streams' order and rounding)
+ * The backward recomputes T and A from the saved (r, P) and forms, per token, with G_0 = dx and G_{1+i} = dmixed_i:
+ *   dA[s, i] = G_i . H_s,  dP[s, i] = as dA[s, i] (1 - T^2) (i <= n),  dP[s, n + 1] = bs dbeta_s (1 - T^2)
+ *   dQ[s, j] = r_s dP[s, j],  k_s = (sum_j dP[s, j] P[s, j]) r_s^2 / d
+ *   dH_s = sum_i A[s, i] G_i + sum_j dQ[s, j] WT_j - k_s H_s,   dWT_j += sum_s dQ[s, j] H_s
+ * and the token sums of dA (d sa), dbeta (d sb), dA T (d as) and dbeta T (d bs), in double.
+ * Layouts: H [tok, n, d] (sht, shs); x [tok, d], mixed [tok, n, d], A [tok, n, n + 1], beta [tok, n], r [tok, n],
+ * P [tok, n, c] contiguous; G0 [tok, d] (sgt), G1 [tok, n, d] (sbt, sbr), dbeta [tok, n] and dH [tok, n, d]
+ * contiguous; the sums go to dWT [blocks, c, d] (float) and red [blocks, n (n + 1) + n + 2] (double), one row per block
+ * of ``blk`` tokens, added to in token order: a call covers whole blocks, so the sums never depend on the threads. */
+#define HC_MAX_STREAMS 8
+#define HC_MAX_COLS (HC_MAX_STREAMS + 2)
+
+typedef int32_t sm_i8 __attribute__((vector_size(32)));
+
+static inline sm_i8 sm_splat_i(int32_t x) {
+    const sm_i8 v = {x, x, x, x, x, x, x, x};
+    return v;
+}
+
+/* lanes of a where the mask is set, else of b */
+static inline sm_v8 sm_select(sm_i8 mask, sm_v8 a, sm_v8 b) {
+    return (sm_v8)((mask & (sm_i8)a) | (~mask & (sm_i8)b));
+}
+
+/* e^x per lane for x in [-88, 88] (Cephes expf: x = k ln 2 + f, |f| <= ln 2 / 2, a degree-6 polynomial, times 2^k) */
+static inline sm_v8 sm_exp(sm_v8 x) {
+    const sm_v8 magic = sm_splat(12582912.0f); /* 1.5 2^23: adding it rounds to an integer */
+    const sm_v8 k = (x * sm_splat(1.44269504088896341f) + magic) - magic;
+    const sm_v8 f = (x - k * sm_splat(0.693359375f)) - k * sm_splat(-2.12194440e-4f);
+    sm_v8 p = sm_splat(1.9875691500e-4f);
+    p = p * f + sm_splat(1.3981999507e-3f);
+    p = p * f + sm_splat(8.3334519073e-3f);
+    p = p * f + sm_splat(4.1665795894e-2f);
+    p = p * f + sm_splat(1.6666665459e-1f);
+    p = p * f + sm_splat(5.0000001201e-1f);
+    p = p * (f * f) + f + sm_splat(1.0f);
+    const sm_i8 e = (__builtin_convertvector(k, sm_i8) + 127) << 23;
+    return p * (sm_v8)e;
+}
+
+/* tanh per lane to a few ulp (Cephes tanhf): an odd polynomial below 0.625, else 1 - 2 / (e^{2|x|} + 1); +-1 from
+ * 9 on, and NaN stays NaN */
+static inline sm_v8 sm_tanh(sm_v8 x) {
+    const sm_i8 sign = (sm_i8)x & sm_splat_i(INT32_MIN);
+    const sm_v8 ax = (sm_v8)((sm_i8)x & ~sm_splat_i(INT32_MIN));
+    const sm_v8 z = x * x;
+    sm_v8 p = sm_splat(-5.70498872745e-3f);
+    p = p * z + sm_splat(2.06390887954e-2f);
+    p = p * z + sm_splat(-5.37397155531e-2f);
+    p = p * z + sm_splat(1.33314422036e-1f);
+    p = p * z + sm_splat(-3.33332819422e-1f);
+    const sm_v8 small = p * z * x + x;
+    const sm_v8 big = sm_splat(1.0f) - sm_splat(2.0f) / (sm_exp(sm_select(ax < sm_splat(9.0f), ax + ax, sm_splat(18.0f))) + sm_splat(1.0f));
+    const sm_v8 large = (sm_v8)((sm_i8)sm_select(ax < sm_splat(9.0f), big, sm_splat(1.0f)) | sign);
+    return sm_select(ax < sm_splat(0.625f), small, sm_select(ax == ax, large, x));
+}
+
+/* T = tanh(P) over count floats */
+static inline void hc_tanh(float *T, const float *P, int64_t count) {
+    int64_t e = 0;
+    for (; e + 8 <= count; e += 8) {
+        const sm_v8 v = sm_tanh(sm_load(P + e));
+        memcpy(T + e, &v, sizeof(v));
+    }
+    if (e < count) {
+        float buf[8] = {0};
+        memcpy(buf, P + e, sizeof(float) * (size_t)(count - e));
+        const sm_v8 v = sm_tanh(sm_load(buf));
+        memcpy(buf, &v, sizeof(v));
+        memcpy(T + e, buf, sizeof(float) * (size_t)(count - e));
+    }
+}
+
+/* T, A and beta of one token from its P */
+static inline void hc_gates(const float *P, const float *sa, const float *sb, float as, float bs, int64_t n, float *T,
+                            float *A, float *beta) {
+    const int64_t c = n + 2;
+    hc_tanh(T, P, n * c);
+    for (int64_t s = 0; s < n; s++) {
+        for (int64_t i = 0; i <= n; i++) A[s * (n + 1) + i] = sa[s * (n + 1) + i] + as * T[s * c + i];
+        beta[s] = sb[s] + bs * T[s * c + n + 1];
+    }
+}
+
+/* sum of squares of h [d] and its c dot products with the rows of WT [c, d], 8 lanes each */
+static inline void hc_project(const float *restrict h, const float *restrict WT, int64_t c, int64_t d, float *ss,
+                              float *dots) {
+    sm_v8 q = {0}, a[HC_MAX_COLS];
+    for (int64_t j = 0; j < c; j++) a[j] = sm_splat(0.0f);
+    int64_t k = 0;
+    for (; k + 8 <= d; k += 8) {
+        const sm_v8 v = sm_load(h + k);
+        q += v * v;
+        for (int64_t j = 0; j < c; j++) a[j] += v * sm_load(WT + j * d + k);
+    }
+    float s2 = SM_SUM(q);
+    for (int64_t j = 0; j < c; j++) dots[j] = SM_SUM(a[j]);
+    for (; k < d; k++) {
+        s2 += h[k] * h[k];
+        for (int64_t j = 0; j < c; j++) dots[j] += h[k] * WT[j * d + k];
+    }
+    *ss = s2;
+}
+
+/* the kernels' bodies, inlined with n = 4 (HC's default: every per-stream loop unrolled) and with n as given */
+#define HC_INLINE static inline __attribute__((always_inline))
+#define HC_DISPATCH(body, n, ...) ((n) == 4 ? body(4, __VA_ARGS__) : body((n), __VA_ARGS__))
+
+HC_INLINE void hc_route_body(int64_t n, const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa,
+                             const float *sb, float as, float bs, float eps, float *x, float *mixed, float *A,
+                             float *beta, float *r, float *P, int64_t d, int64_t t0, int64_t t1) {
+    const int64_t c = n + 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *Ht = H + t * sht;
+        float *Pt = P + t * n * c, *At = A + t * n * (n + 1), T[HC_MAX_STREAMS * HC_MAX_COLS];
+        for (int64_t s = 0; s < n; s++) {
+            float ss, dots[HC_MAX_COLS];
+            hc_project(Ht + s * shs, WT, c, d, &ss, dots);
+            const float rs = 1.0f / sqrtf(ss / (float)d + eps);
+            r[t * n + s] = rs;
+            for (int64_t j = 0; j < c; j++) Pt[s * c + j] = dots[j] * rs;
+        }
+        hc_gates(Pt, sa, sb, as, bs, n, T, At, beta + t * n);
+        sm_combine(x + t * d, At, n + 1, Ht, shs, n, d);
+        for (int64_t i = 0; i < n; i++) sm_combine(mixed + (t * n + i) * d, At + i + 1, n + 1, Ht, shs, n, d);
+    }
+}
+
+int hfd_hc_route(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb, float as,
+                 float bs, float eps, float *x, float *mixed, float *A, float *beta, float *r, float *P, int64_t n,
+                 int64_t d, int64_t t0, int64_t t1) {
+    if (n > HC_MAX_STREAMS) return 2; /* the caller checks: never reached from Python */
+    HC_DISPATCH(hc_route_body, n, H, sht, shs, WT, sa, sb, as, bs, eps, x, mixed, A, beta, r, P, d, t0, t1);
+    return 0;
+}
+
+/* the mixing matrices M = A^T [tok, n + 1, n] (and beta) from saved P, as hfd_hc_route formed them */
+int hfd_hc_gates(const float *P, const float *sa, const float *sb, float as, float bs, float *M, float *beta, int64_t n,
+                 int64_t t0, int64_t t1) {
+    if (n > HC_MAX_STREAMS) return 2;
+    const int64_t c = n + 2;
+    for (int64_t t = t0; t < t1; t++) {
+        float T[HC_MAX_STREAMS * HC_MAX_COLS], A[HC_MAX_STREAMS * (HC_MAX_STREAMS + 1)];
+        hc_gates(P + t * n * c, sa, sb, as, bs, n, T, A, beta + t * n);
+        for (int64_t s = 0; s < n; s++)
+            for (int64_t i = 0; i <= n; i++) M[(t * (n + 1) + i) * n + s] = A[s * (n + 1) + i];
+    }
+    return 0;
+}
+
+HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t shs, const float *WT,
+                                 const float *sa, const float *sb, float as, float bs, const float *r, const float *P,
+                                 const float *G0, int64_t sgt, const float *G1, int64_t sbt, int64_t sbr,
+                                 const float *dbeta, float *dH, float *dWTs, double *reds, int64_t blk, int64_t d,
+                                 int64_t t0, int64_t t1) {
+    const int64_t c = n + 2, m = n + 1;
+    for (int64_t t = t0; t < t1; t++) {
+        float *dWT = dWTs + (t / blk) * c * d; /* the sums of this token's block */
+        double *dsa = reds + (t / blk) * (n * m + n + 2), *dsb = dsa + n * m, *das = dsb + n, *dbs = das + 1;
+        const float *Ht = H + t * sht, *Pt = P + t * n * c, *rt = r + t * n, *dbt = dbeta + t * n;
+        float *dHt = dH + t * n * d;
+        float T[HC_MAX_STREAMS * HC_MAX_COLS], A[HC_MAX_STREAMS * (HC_MAX_STREAMS + 1)], beta[HC_MAX_STREAMS];
+        hc_gates(Pt, sa, sb, as, bs, n, T, A, beta);
+        const float *g[HC_MAX_STREAMS + 1];
+        g[0] = G0 + t * sgt;
+        for (int64_t i = 0; i < n; i++) g[i + 1] = G1 + t * sbt + i * sbr;
+        float dA[HC_MAX_STREAMS + 1][HC_MAX_STREAMS]; /* dA[i][s] = G_i . H_s (dM) */
+        for (int64_t i = 0; i < m; i++) sm_dots(dA[i], g[i], Ht, shs, n, d);
+        float dQ[HC_MAX_STREAMS * HC_MAX_COLS], ks[HC_MAX_STREAMS];
+        double ta = 0.0, tb = 0.0;
+        for (int64_t s = 0; s < n; s++) {
+            float kp = 0.0f;
+            for (int64_t j = 0; j < c; j++) {
+                const float Tj = T[s * c + j], g1 = j < m ? dA[j][s] : dbt[s];
+                const float dP = g1 * (j < m ? as : bs) * (1.0f - Tj * Tj);
+                if (j < m) {
+                    dsa[s * m + j] += g1;
+                    ta += (double)g1 * Tj;
+                } else {
+                    dsb[s] += g1;
+                    tb += (double)g1 * Tj;
+                }
+                dQ[s * c + j] = dP * rt[s];
+                kp += dP * Pt[s * c + j];
+            }
+            ks[s] = -(kp * (rt[s] * rt[s] / (float)d));
+        }
+        *das += ta;
+        *dbs += tb;
+        int64_t k = 0;
+        for (; k + 8 <= d; k += 8) {
+            sm_v8 h[HC_MAX_STREAMS], gv[HC_MAX_STREAMS + 1], w[HC_MAX_COLS];
+            for (int64_t s = 0; s < n; s++) h[s] = sm_load(Ht + s * shs + k);
+            for (int64_t i = 0; i < m; i++) gv[i] = sm_load(g[i] + k);
+            for (int64_t j = 0; j < c; j++) w[j] = sm_load(WT + j * d + k);
+            for (int64_t s = 0; s < n; s++) {
+                const float *As = A + s * m, *dQs = dQ + s * c;
+                sm_v8 o = sm_splat(As[1]) * gv[1]; /* the mixing's rows first, then the branch input's (the eager order) */
+                for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, sm_splat(As[i]), gv[i]);
+                o = sm_vmadd(o, sm_splat(As[0]), gv[0]);
+                for (int64_t j = 0; j < c; j++) o = sm_vmadd(o, sm_splat(dQs[j]), w[j]);
+                o = sm_vmadd(o, sm_splat(ks[s]), h[s]);
+                memcpy(dHt + s * d + k, &o, sizeof(o));
+            }
+            for (int64_t j = 0; j < c; j++) {
+                sm_v8 acc = sm_load(dWT + j * d + k);
+                for (int64_t s = 0; s < n; s++) acc = sm_vmadd(acc, sm_splat(dQ[s * c + j]), h[s]);
+                memcpy(dWT + j * d + k, &acc, sizeof(acc));
+            }
+        }
+        for (; k < d; k++)
+            for (int64_t s = 0; s < n; s++) {
+                const float *As = A + s * m, *dQs = dQ + s * c, hk = Ht[s * shs + k];
+                float o = As[1] * g[1][k];
+                for (int64_t i = 2; i < m; i++) o = SM_MADD(o, As[i], g[i][k]);
+                o = SM_MADD(o, As[0], g[0][k]);
+                for (int64_t j = 0; j < c; j++) {
+                    o = SM_MADD(o, dQs[j], WT[j * d + k]);
+                    dWT[j * d + k] = SM_MADD(dWT[j * d + k], dQs[j], hk);
+                }
+                dHt[s * d + k] = SM_MADD(o, ks[s], hk);
+            }
+    }
+}
+
+int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb,
+                     float as, float bs, const float *r, const float *P, const float *G0, int64_t sgt, const float *G1,
+                     int64_t sbt, int64_t sbr, const float *dbeta, float *dH, float *dWT, double *red, int64_t blk,
+                     int64_t n, int64_t d, int64_t t0, int64_t t1) {
+    if (n > HC_MAX_STREAMS) return 2;
+    HC_DISPATCH(hc_route_bwd_body, n, H, sht, shs, WT, sa, sb, as, bs, r, P, G0, sgt, G1, sbt, sbr, dbeta, dH, dWT,
+                red, blk, d, t0, t1);
+    return 0;
+}
