@@ -301,8 +301,8 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
                 p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
     calls = []
-    real = native.stream_mix
-    monkeypatch.setattr(native, "stream_mix", lambda *a: calls.append(1) or real(*a))
+    for op in ("hc_route", "hc_rebuild", "hc_route_backward") if design == "hc" else ("stream_mix", "sinkhorn"):
+        monkeypatch.setattr(native, op, lambda *a, real=getattr(native, op), op=op: calls.append(op) or real(*a))
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -311,7 +311,8 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
         return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     logits, grads = run()
-    assert calls, "the native stream kernel did not run"
+    assert set(calls) == ({"hc_route", "hc_rebuild", "hc_route_backward"} if design == "hc"
+                          else {"stream_mix", "sinkhorn"}), calls
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -378,8 +379,10 @@ def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
     """``native.hc_route`` / ``hc_mixing`` / ``hc_route_backward`` against the equations in float64 and their
     autograd gradients (H, W = [W_a | w_b], static alpha and beta, both gate scales): d no multiple of 8, one token,
     several 64-token sum blocks, a broadcast first H (the embedding's n copies). ``hc_mixing`` forms the same M bits
-    as the route, and the mixing's rows equal ``stream_mix`` of that M (the rebuild's) bit for bit; two threads
-    change no bit."""
+    as the route, the mixing's rows equal ``stream_mix`` of that M bit for bit and ``hc_rebuild`` the forward's
+    mixing and write; two threads change no bit."""
+    from hf_depth.models.functional import write_streams
+
     g = torch.Generator().manual_seed(n * d)
     H = torch.randn(*lead, 1 if broadcast else n, d, generator=g) * 2
     H = H.expand(*lead, n, d) if broadcast else H
@@ -395,6 +398,10 @@ def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
     assert torch.equal(M, A.transpose(-1, -2)) and torch.equal(beta2, beta)
     x2, mixed2 = native.stream_mix(M, H, 1)  # the segment rebuild's mixing (training shapes): the same bits
     assert torch.equal(x2, x) and torch.equal(mixed2, mixed)
+    y = torch.randn(*lead, d, generator=g)  # the next streams, rebuilt from P: the forward's write, bit for bit
+    after = write_streams(mixed.clone(), beta, y, inplace=True)
+    assert torch.equal(native.hc_rebuild(H, P, WT, sa, sb, a_scale, b_scale, beta, y), after)
+    assert native.hc_rebuild(H, P, WT, sa, sb, a_scale, b_scale, beta, y.bfloat16()) is None
     dx, dmixed, dbeta = (torch.randn(t.shape, generator=g) for t in (x, mixed, beta))
     want = torch.autograd.grad(ref[:4], leaves, (dx.double(), dmixed.double(), torch.zeros_like(ref[2]), dbeta.double()))
     out = native.hc_route_backward(H, WT, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)

@@ -928,15 +928,17 @@ class _Segment:
             saved = self.routes[j][0]().saved_tensors
             if j == self.start:
                 H, saved = saved[0], saved[1:]
-            conn = self.routes[j][1]
-            if not self.routes[j][0]().fused:
-                M, state = conn.routing_rebuild(saved)
-            else:  # the fused backward needs no M: only the streams of the next sublayer do
-                M, state = (conn.fused_mixing(H, saved) if j < s else None), None
+            conn, fused = self.routes[j][1], self.routes[j][0]().fused
+            # a fused route's backward needs no M (the next streams come from ``fused_rebuild``)
+            M, state = (None, None) if fused else conn.routing_rebuild(saved)
             self.local[j] = (H, saved, M, state)
             if j < s:
                 w, y = self._write_saved(j)
-                H = write_streams(_mix(M[..., 1:, :], H), w, y, inplace=True)  # the forward's ops
+                nxt = conn.fused_rebuild(H, saved, w, y) if fused else None
+                if nxt is None:  # the forward's ops
+                    M = conn.fused_mixing(H, saved) if M is None else M
+                    nxt = write_streams(_mix(M[..., 1:, :], H), w, y, inplace=True)
+                H = nxt
         return self.local.pop(s)
 
 

@@ -221,6 +221,12 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         segment's streams are rebuilt with it)."""
         raise NotImplementedError(f"{type(self).__name__} has no fused route")
 
+    def fused_rebuild(self, H: torch.Tensor, saved: tuple, w: torch.Tensor, y: torch.Tensor):
+        """The streams after this sublayer (its mixing of H, then ``+ w ⊗ y``, the write of the branch output y),
+        from the ``saved`` of ``fused_route``, bit for bit as the forward formed them, in one pass; or None (then
+        ``fused_mixing`` and the forward's ops run)."""
+        return None
+
     def fused_backward(self, H: torch.Tensor, saved: tuple, dx, dmixed, dw):
         """(dH, {parameter name: gradient}) of ``fused_route`` in one pass, given the gradients of x, mixed and w,
         or None (then ``fused_mixing`` + the by-hand steps run)."""
@@ -400,6 +406,9 @@ class HCConnection(MultiStreamConnection):
 
     def fused_mixing(self, H, saved):
         return native_stream_op(H, "hc_mixing", saved[1], *self._routing_params())[0]
+
+    def fused_rebuild(self, H, saved, w, y):
+        return native_stream_op(H, "hc_rebuild", H, saved[1], *self._routing_params(), w, y)
 
     def fused_backward(self, H, saved, dx, dmixed, dw):
         out = native_stream_op(H, "hc_route_backward", H, *self._routing_params(), *saved, dx, dmixed, dw)

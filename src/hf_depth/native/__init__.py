@@ -140,10 +140,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_sinkhorn_bwd.argtypes = [P, N, N, N, P, P, N, N, N, N]
     lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, F, F, F, P, P, P, P, P, P, N, N, N, N]
     lib.hfd_hc_gates.argtypes = [P, P, P, F, F, P, P, N, N, N]
+    lib.hfd_hc_rebuild.argtypes = [P, N, N, P, P, P, F, F, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, F, F, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
-               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_route_bwd):
+               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -483,6 +484,26 @@ def hc_mixing(P: torch.Tensor, WT, static_alpha, static_beta, alpha_scale, beta_
     args = (_ptr(P), *(_ptr(t) for t in prm[1:3]), *prm[3:], _ptr(M), _ptr(beta), n)
     _parallel(lambda lo, hi: lib.hfd_hc_gates(*args, lo, hi), P[..., 0, 0].numel())
     return M, beta
+
+
+def hc_rebuild(H: torch.Tensor, P: torch.Tensor, WT, static_alpha, static_beta, alpha_scale, beta_scale, w, y):
+    """The streams after the sublayer whose ``hc_route`` of H [..., n, d] saved P: its mixing, formed from P as the
+    route formed it, plus w [..., n] ⊗ y [..., d] (the write), each row as ``write_streams`` adds it in place: the
+    forward's streams, bit for bit, in one pass per token. None when the kernel does not take these tensors."""
+    lib = library()
+    n, d = H.shape[-2], H.shape[-1]
+    h, yt = _token_rows(H, n, d), _token_rows(y.unsqueeze(-2), 1, d)
+    wt = _token_rows(w.unsqueeze(-2), 1, n)
+    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
+    if (lib is None or None in (h, yt, wt, prm) or n > MAX_HC_STREAMS or P.dtype != torch.float32
+            or not P.is_contiguous() or P.shape != (*H.shape[:-2], n, n + 2) or y.shape[:-1] != H.shape[:-2]
+            or w.shape != H.shape[:-1]):
+        return None
+    out = torch.empty(H.shape, dtype=torch.float32)
+    args = (_ptr(h[0]), h[1], h[2], _ptr(P), *(_ptr(t) for t in prm[1:3]), *prm[3:], _ptr(wt[0]), wt[1],
+            w.stride(-1), _ptr(yt[0]), yt[1], _ptr(out), n, d)
+    _parallel(lambda lo, hi: lib.hfd_hc_rebuild(*args, lo, hi), h[0].shape[0])
+    return out
 
 
 def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale, r, P, dx, dmixed, dbeta):

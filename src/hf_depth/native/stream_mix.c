@@ -452,6 +452,27 @@ int hfd_hc_gates(const float *P, const float *sa, const float *sb, float as, flo
     return 0;
 }
 
+/* the next sublayer's streams from the saved P, as the forward formed them: mixed_i = sum_s A[s, i + 1] H_s, then
+ * H'_i = mixed_i + w_i y (one fused multiply-add per element, as ATen's in-place addcmul of the write); w [tok, n]
+ * (swt, sws), y [tok, d] (syt), out [tok, n, d] contiguous */
+int hfd_hc_rebuild(const float *H, int64_t sht, int64_t shs, const float *P, const float *sa, const float *sb, float as,
+                   float bs, const float *w, int64_t swt, int64_t sws, const float *y, int64_t syt, float *out,
+                   int64_t n, int64_t d, int64_t t0, int64_t t1) {
+    if (n > HC_MAX_STREAMS) return 2;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *Ht = H + t * sht, *yt = y + t * syt;
+        float T[HC_MAX_STREAMS * HC_MAX_COLS], A[HC_MAX_STREAMS * (HC_MAX_STREAMS + 1)], beta[HC_MAX_STREAMS];
+        hc_gates(P + t * n * (n + 2), sa, sb, as, bs, n, T, A, beta);
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + (t * n + i) * d;
+            const float wi = w[t * swt + i * sws];
+            sm_combine(o, A + i + 1, n + 1, Ht, shs, n, d);
+            for (int64_t k = 0; k < d; k++) o[k] = SM_MADD(o[k], wi, yt[k]);
+        }
+    }
+    return 0;
+}
+
 HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t shs, const float *WT,
                                  const float *sa, const float *sb, float as, float bs, const float *r, const float *P,
                                  const float *G0, int64_t sgt, const float *G1, int64_t sbt, int64_t sbr,
