@@ -301,8 +301,13 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
                 p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
     calls = []
+
+    def counted(op):
+        real = getattr(native, op)
+        return lambda *a: calls.append(op) or real(*a)
+
     for op in ("hc_route", "hc_rebuild", "hc_route_backward") if design == "hc" else ("stream_mix", "sinkhorn"):
-        monkeypatch.setattr(native, op, lambda *a, real=getattr(native, op), op=op: calls.append(op) or real(*a))
+        monkeypatch.setattr(native, op, counted(op))
 
     def run():
         model.zero_grad(set_to_none=True)
