@@ -306,7 +306,9 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
         real = getattr(native, op)
         return lambda *a: calls.append(op) or real(*a)
 
-    for op in ("hc_route", "hc_rebuild", "hc_route_backward") if design == "hc" else ("stream_mix", "sinkhorn"):
+    fused = {"hc": ("hc_route", "hc_rebuild", "hc_route_backward"),
+             "mhc": ("mhc_route", "stream_mix_write", "mhc_route_backward")}[design]
+    for op in fused:
         monkeypatch.setattr(native, op, counted(op))
 
     def run():
@@ -316,8 +318,7 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
         return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     logits, grads = run()
-    assert set(calls) == ({"hc_route", "hc_rebuild", "hc_route_backward"} if design == "hc"
-                          else {"stream_mix", "sinkhorn"}), calls
+    assert set(calls) == set(fused), calls
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -443,3 +444,75 @@ def test_fused_hc_routing_declines_what_it_does_not_take(monkeypatch):
         model = tiny_model("hc", num_hidden_layers=1, **extra)
         model(x, labels=x, use_cache=False).loss.backward()
         assert bool(calls) == fused, extra
+
+
+def _mhc_reference(H, proj, bias, alpha, tanh, columns_first, iters):
+    """mHC's routing after its projection from the equations (Xie et al.): u = tanh(proj) or proj, pre = sigmoid(a0 u
+    + b), post = 2 sigmoid(a1 u + b), res = Sinkhorn(a2 u + b as n x n; of the transpose, transposed back, for
+    columns first), x = pre^T H, mixed = res H; functional.sinkhorn (log domain) in H's dtype."""
+    from hf_depth.models.functional import sinkhorn
+
+    n = H.shape[-2]
+    u = torch.tanh(proj) if tanh else proj
+    pre = torch.sigmoid(alpha[0] * u[..., :n] + bias[:n])
+    post = 2 * torch.sigmoid(alpha[1] * u[..., n : 2 * n] + bias[n : 2 * n])
+    logits = (alpha[2] * u[..., 2 * n :] + bias[2 * n :]).unflatten(-1, (n, n))
+    res = sinkhorn(logits.transpose(-1, -2), iters).transpose(-1, -2) if columns_first else sinkhorn(logits, iters)
+    return torch.einsum("...s,...sd->...d", pre, H), res @ H, torch.cat((pre.unsqueeze(-2), res), -2), post
+
+
+@pytest.mark.parametrize("n,d,lead,tanh,columns_first", [(4, 64, (3, 37), False, False), (4, 37, (1, 1), True, False),
+                                                         (2, 40, (2, 70), False, True), (5, 33, (111,), True, True)])
+def test_fused_mhc_routing_equals_the_equations(n, d, lead, tanh, columns_first):
+    """``native.mhc_route`` / ``mhc_route_backward`` (plus the caller's two projection products) against the
+    equations in float64 and their autograd gradients (H through the mixing and the projection, phi, bias, the three
+    gate scales); ``stream_mix_write`` is the forward's mixing and write bit for bit; two threads change no bit;
+    logits out of the linear-domain range, more than 8 streams or no Sinkhorn round are declined."""
+    from hf_depth.models.design_hc import normalized_projection
+    from hf_depth.models.functional import write_streams
+
+    g = torch.Generator().manual_seed(n * d + 1)
+    C, iters = n * n + 2 * n, 20
+    H = torch.randn(*lead, n, d, generator=g)
+    phi, bias, alpha = torch.randn(n * d, C, generator=g) * 0.1, torch.randn(C, generator=g), torch.tensor([0.7, -0.5, 1.3])
+    leaves = [t.double().requires_grad_() for t in (H, phi, bias, alpha)]
+    X64 = leaves[0].flatten(-2)
+    proj64 = X64 @ leaves[1] * torch.rsqrt(X64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    ref = _mhc_reference(leaves[0], proj64, leaves[2], leaves[3], tanh, columns_first, iters)
+    r, proj = normalized_projection(H.flatten(-2), phi.T, 1e-6)
+    args = (bias, alpha, tanh, columns_first, iters)
+    got = native.mhc_route(H, proj, *args)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+    x, mixed, M, post = got
+    y = torch.randn(*lead, d, generator=g)
+    # the one-pass mixing (``mix_streams``' rows at training shapes, the kernel's here), then the in-place write
+    assert torch.equal(native.stream_mix_write(M, H, post, y), write_streams(native.stream_mix(M, H, 1)[1], post, y, inplace=True))
+    dx, dmixed, dpost = (torch.randn(t.shape, generator=g) for t in (x, mixed, post))
+    want = torch.autograd.grad((ref[0], ref[1], ref[3]), leaves, (dx.double(), dmixed.double(), dpost.double()))
+    out = native.mhc_route_backward(H, proj, r, M, *args, dx, dmixed, dpost)
+    dH, dQ, dbias, dalpha = out
+    X = H.flatten(-2).reshape(-1, n * d)
+    dH = dH.clone()
+    dH.view(-1, n * d).addmm_(dQ, phi.T)
+    for name, a, b in zip(("H", "phi", "bias", "alpha"), (dH, (dQ.T @ X).T, dbias, dalpha), want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()), msg=name)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert all(torch.equal(a, b) for a, b in zip(out, native.mhc_route_backward(H, proj, r, M, *args, dx, dmixed, dpost)))
+        assert all(torch.equal(a, b) for a, b in zip(got, native.mhc_route(H, proj, *args)))
+    finally:
+        torch.set_num_threads(before)
+    wide = bias.clone()
+    wide[2 * n] = 80.0  # one logit 80 above the others: out of the linear domain's range, for forward and backward
+    assert native.mhc_route(H, proj, wide, *args[1:]) is None
+    assert native.mhc_route_backward(H, proj, r, M, wide, *args[1:], dx, dmixed, dpost) is None
+    assert native.mhc_route(H, proj, bias, alpha, tanh, columns_first, 0) is None
+
+
+def test_fused_mhc_routing_declines_more_streams_than_its_buffers():
+    n, d = 9, 16
+    H = torch.randn(2, 5, n, d)
+    proj, bias = torch.randn(2, 5, n * n + 2 * n), torch.randn(n * n + 2 * n)
+    assert native.mhc_route(H, proj, bias, torch.ones(3), False, False, 20) is None

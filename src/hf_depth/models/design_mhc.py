@@ -208,6 +208,34 @@ class MHCConnection(MultiStreamConnection):
                                                dH.view(*H.shape[:-2], -1))
         return {"dynamic_phi": dphiT.T, "static_bias": _sum_to(du, self.static_bias), "alpha_scale": da}
 
+    def _fused_args(self) -> tuple:
+        return self.static_bias, self.alpha_scale, self.tanh, self.columns_first, self.iters
+
+    def fused_route(self, H):
+        # the projection by the library's product (a GEMM), the rest in one native pass per token
+        r, proj = normalized_projection(_acc(H.flatten(-2)), _acc(self.dynamic_phi).T, self.eps)
+        out = native_stream_op(H, "mhc_route", H, proj, *self._fused_args())
+        if out is None:
+            return None
+        x, mixed, M, post = out
+        return x, mixed, post, {"pre": M[..., 0, :], "res": M[..., 1:, :], "post": post}, (r, proj, M)
+
+    def fused_mixing(self, H, saved):
+        return saved[2]
+
+    def fused_rebuild(self, H, saved, w, y):
+        return native_stream_op(H, "stream_mix_write", saved[2], H, w, y)
+
+    def fused_backward(self, H, saved, dx, dmixed, dw):
+        r, proj, M = saved
+        out = native_stream_op(H, "mhc_route_backward", H, proj, r, M, *self._fused_args(), dx, dmixed, dw)
+        if out is None:
+            return None
+        dH, dQ, dbias, dalpha = out
+        X = _acc(H.flatten(-2)).reshape(-1, H.shape[-2] * H.shape[-1])
+        dH.view(-1, X.shape[-1]).addmm_(dQ, _acc(self.dynamic_phi).T)  # the projection's part of dH; d phi = X^T dQ
+        return dH, {"dynamic_phi": (dQ.T @ X).T, "static_bias": dbias, "alpha_scale": dalpha}
+
     def depth(self, mixed, post, out):
         return mhc_depth(mixed, post, out)
 

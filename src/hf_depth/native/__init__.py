@@ -43,7 +43,9 @@ OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (de
        "stream_mix": "HC / mHC stream mixing and the write's and the mixing's backward (depth_ops._Route, _Write)",
        "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.native_stream_op)",
        "hc_route": "dynamic HC's whole routing (1/rms, projection, gates, mixing) and its backward, per token "
-                   "(design_hc.HCConnection.fused_route / fused_backward)"}
+                   "(design_hc.HCConnection.fused_route / fused_rebuild / fused_backward)",
+       "mhc_route": "mHC's routing after its projection (gates, Sinkhorn, mixing) and its backward up to the "
+                    "projection's products (design_mhc.MHCConnection.fused_route / fused_rebuild / fused_backward)"}
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c99")
 _ARCH = ("-march=native",)
 
@@ -141,10 +143,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, F, F, F, P, P, P, P, P, P, N, N, N, N]
     lib.hfd_hc_gates.argtypes = [P, P, P, F, F, P, P, N, N, N]
     lib.hfd_hc_rebuild.argtypes = [P, N, N, P, P, P, F, F, P, N, N, P, N, P, N, N, N, N]
+    lib.hfd_stream_mix_write.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, P, N, N, N, N]
+    lib.hfd_mhc_route.argtypes = [P, N, N, P, P, P, N, N, N, P, P, P, P, N, N, N, N]
+    lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, F, F, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
-               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd):
+               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd,
+               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -394,16 +400,16 @@ def _logit_matrices(L: torch.Tensor):
     return _matrices(L, L.shape[:-2]) if L.dim() >= 3 else None
 
 
-def _run_tokens(fn, tok: int) -> bool:
-    """``fn(lo, hi)`` over the tokens, split over threads; False when some part returned 1 (out of the kernel's
-    range; another nonzero status is a failed allocation: raised)."""
+def _run_tokens(fn, tok: int, min_items: int = 8) -> bool:
+    """``fn(lo, hi)`` over the tokens (or blocks of them), split over threads as ``_parallel``; False when some part
+    returned 1 (out of the kernel's range; another nonzero status is a failed allocation: raised)."""
     status = []
 
     def part(lo, hi):
         status.append(fn(lo, hi))
         return 0 if status[-1] == 1 else status[-1]
 
-    _parallel(part, tok)
+    _parallel(part, tok, min_items)
     return 1 not in status
 
 
@@ -533,3 +539,91 @@ def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale,
     red = red.sum(0).float()
     m = n * (n + 1)
     return dH, dWT.sum(0), red[:m].view(n, n + 1), red[m:m + n], red[m + n], red[m + n + 1]
+
+
+# --------------------------------------------------------------------------- mHC's routing (stream_mix.c)
+#: the most streams ``mhc_route`` takes (``stream_mix.c``'s MHC_MAX_STREAMS; more: the eager form)
+MAX_MHC_STREAMS = 8
+
+
+def stream_mix_write(M: torch.Tensor, H: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
+    """``write_streams(M[..., 1:, :] H, w, y)`` (the next streams from the mixing matrices M [..., n + 1, n], H
+    [..., n, d], w [..., n], y [..., d], fp32) in one pass per token, each row as the forward's mixing and in-place
+    write form it (bit for bit). None when the kernel does not take these tensors."""
+    lib = library()
+    n, d = H.shape[-2], H.shape[-1]
+    h, yt, wt = _token_rows(H, n, d), _token_rows(y.unsqueeze(-2), 1, d), _token_rows(w.unsqueeze(-2), 1, n)
+    mm = _matrices(M, H.shape[:-2])
+    if (lib is None or None in (h, yt, wt, mm) or M.shape[-2:] != (n + 1, n) or y.shape[:-1] != H.shape[:-2]
+            or w.shape != H.shape[:-1]):
+        return None
+    out = torch.empty(H.shape, dtype=torch.float32)
+    args = (_ptr(mm[0]), *mm[1:], _ptr(h[0]), h[1], h[2], _ptr(wt[0]), wt[1], w.stride(-1), _ptr(yt[0]), yt[1],
+            _ptr(out), n, d)
+    _parallel(lambda lo, hi: lib.hfd_stream_mix_write(*args, lo, hi), h[0].shape[0])
+    return out
+
+
+def _mhc_inputs(H, proj, bias, alpha, iters):
+    """(library, H's token rows, proj, bias, alpha) for the mHC kernels, or None where they do not take these."""
+    lib = library()
+    n, d = H.shape[-2], H.shape[-1]
+    C = n * n + 2 * n
+    h = _token_rows(H, n, d)
+    if (lib is None or h is None or n > MAX_MHC_STREAMS or iters < 1 or proj.dtype != torch.float32
+            or proj.shape != (*H.shape[:-2], C) or not proj.is_contiguous() or bias.shape != (C,)
+            or alpha.shape != (3,)):
+        return None
+    return lib, h, proj, bias.detach().float().contiguous(), alpha.detach().float().contiguous()
+
+
+def mhc_route(H: torch.Tensor, proj: torch.Tensor, bias, alpha, tanh: bool, columns_first: bool, iters: int):
+    """mHC's routing of streams H [..., n, d] (fp32) from its normalized projection proj [..., n^2 + 2n] =
+    (vec(H) phi) / rms(vec(H)): (x [..., d], mixed [..., n, d], M [..., n + 1, n] = [pre; res], post [..., n]),
+    with u = tanh(proj) (``tanh``) or proj, pre = sigmoid(a0 u + b), post = 2 sigmoid(a1 u + b), res = the
+    linear-domain Sinkhorn of a2 u + b (``iters`` rounds, rows first; ``columns_first``: of the transposed logits,
+    transposed back), x = pre^T H, mixed = res H: ``MHCConnection.routing_saved`` and ``read_and_mix`` after the
+    projection (to fp32 rounding), in one pass per token. None when the kernel does not take these tensors, or
+    when some token's logits are out of the linear-domain Sinkhorn's range (``sinkhorn``)."""
+    got = _mhc_inputs(H, proj, bias, alpha, iters)
+    if got is None:
+        return None
+    lib, h, proj, b, a = got
+    n, d, lead = H.shape[-2], H.shape[-1], H.shape[:-2]
+    x, mixed, M, post = (torch.empty(*lead, *shape, dtype=torch.float32) for shape in ((d,), (n, d), (n + 1, n), (n,)))
+    args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(b), _ptr(a), int(tanh), int(columns_first), iters,
+            *(_ptr(t) for t in (x, mixed, M, post)), n, d)
+    ok = _run_tokens(lambda lo, hi: lib.hfd_mhc_route(*args, lo, hi), h[0].shape[0])
+    return (x, mixed, M, post) if ok else None
+
+
+def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bool, iters: int, dx, dmixed, dpost):
+    """The backward of ``mhc_route`` through the recomputed gates and Sinkhorn, given the gradients of x, mixed and
+    post and the forward's r = 1 / rms(vec(H)) [..., 1] and M: (dH [H's shape] without the projection's part,
+    dQ [tokens, n^2 + 2n] (the gradient of vec(H) phi), d bias [n^2 + 2n], d alpha [3]), fp32. The caller adds
+    dQ phi^T to dH and forms d phi = vec(H)^T dQ (two products). None when the kernels do not take these tensors."""
+    got = _mhc_inputs(H, proj, bias, alpha, iters)
+    if got is None:
+        return None
+    lib, h, proj, b, a = got
+    n, d = H.shape[-2], H.shape[-1]
+    C = n * n + 2 * n
+    ga = _token_rows(dx.unsqueeze(-2), 1, d) or _token_rows(dx.contiguous().unsqueeze(-2), 1, d)
+    gb = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
+    if (ga is None or gb is None or not (r.is_contiguous() and M.is_contiguous()) or r.dtype != torch.float32
+            or M.dtype != torch.float32 or M.shape != (*H.shape[:-2], n + 1, n)):
+        return None
+    tok = h[0].shape[0]
+    blocks = -(-tok // HC_SUM_BLOCK)
+    dH, dQ = torch.empty(H.shape, dtype=torch.float32), torch.empty(tok, C, dtype=torch.float32)
+    reds = torch.zeros(blocks, C + 3, dtype=torch.float64)
+    dp = dpost.float().contiguous()
+    args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(r), _ptr(M), _ptr(b), _ptr(a), int(tanh), int(columns_first),
+            iters, _ptr(ga[0]), ga[1], _ptr(gb[0]), gb[1], gb[2], _ptr(dp), _ptr(dH), _ptr(dQ), _ptr(reds),
+            HC_SUM_BLOCK, n, d)
+    ok = _run_tokens(lambda lo, hi: lib.hfd_mhc_route_bwd(*args, lo * HC_SUM_BLOCK, min(hi * HC_SUM_BLOCK, tok)),
+                     blocks, 1)
+    if not ok:
+        return None
+    red = reds.sum(0).float()
+    return dH, dQ, red[:C], red[C:]

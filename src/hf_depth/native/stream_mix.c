@@ -232,6 +232,29 @@ static int sk_block(const float *L, int64_t slt, int64_t sli, int64_t slj, int64
     return 0;
 }
 
+/* G [n n][lanes]: the gradient of the result, in place into that of P_0 (times P_0 gives the logits'), through the
+ * iterates and normalizers that sk_block kept */
+static void sk_backward(const float *P, const float *S, float *G, int64_t n, int64_t iters) {
+    const int64_t nn = n * n;
+    for (int64_t k = 2 * iters - 1; k >= 0; k--) {
+        const float *Q = P + (k + 1) * nn * SK_LANES, *s = S + k * n * SK_LANES;
+        const int64_t si = k % 2 == 0 ? n : 1, sj = k % 2 == 0 ? 1 : n;
+        for (int64_t i = 0; i < n; i++) {
+            float dot[SK_LANES], inv[SK_LANES];
+            for (int l = 0; l < SK_LANES; l++) dot[l] = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float *g = G + (i * si + j * sj) * SK_LANES, *q = Q + (i * si + j * sj) * SK_LANES;
+                for (int l = 0; l < SK_LANES; l++) dot[l] += g[l] * q[l];
+            }
+            for (int l = 0; l < SK_LANES; l++) inv[l] = 1.0f / s[i * SK_LANES + l];
+            for (int64_t j = 0; j < n; j++) {
+                float *g = G + (i * si + j * sj) * SK_LANES;
+                for (int l = 0; l < SK_LANES; l++) g[l] = (g[l] - dot[l]) * inv[l];
+            }
+        }
+    }
+}
+
 static float *sk_buffer(int64_t n, int64_t iters) {
     return (float *)malloc(sizeof(float) * (size_t)(((2 * iters + 1) * n * n + 2 * iters * n) * SK_LANES));
 }
@@ -272,23 +295,7 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
         if (status) break;
         for (int64_t e = 0; e < nn; e++)
             for (int64_t l = 0; l < SK_LANES; l++) G[e * SK_LANES + l] = l < nt ? dres[(t + l) * nn + e] : 0.0f;
-        for (int64_t k = 2 * iters - 1; k >= 0; k--) {
-            const float *Q = P + (k + 1) * nn * SK_LANES, *s = S + k * n * SK_LANES;
-            const int64_t si = k % 2 == 0 ? n : 1, sj = k % 2 == 0 ? 1 : n;
-            for (int64_t i = 0; i < n; i++) {
-                float dot[SK_LANES], inv[SK_LANES];
-                for (int l = 0; l < SK_LANES; l++) dot[l] = 0.0f;
-                for (int64_t j = 0; j < n; j++) {
-                    const float *g = G + (i * si + j * sj) * SK_LANES, *q = Q + (i * si + j * sj) * SK_LANES;
-                    for (int l = 0; l < SK_LANES; l++) dot[l] += g[l] * q[l];
-                }
-                for (int l = 0; l < SK_LANES; l++) inv[l] = 1.0f / s[i * SK_LANES + l];
-                for (int64_t j = 0; j < n; j++) {
-                    float *g = G + (i * si + j * sj) * SK_LANES;
-                    for (int l = 0; l < SK_LANES; l++) g[l] = (g[l] - dot[l]) * inv[l];
-                }
-            }
-        }
+        sk_backward(P, S, G, n, iters);
         for (int64_t l = 0; l < nt; l++)
             for (int64_t e = 0; e < nn; e++) dL[(t + l) * nn + e] = G[e * SK_LANES + l] * P[e * SK_LANES + l];
     }
@@ -556,4 +563,187 @@ int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *WT, 
     HC_DISPATCH(hc_route_bwd_body, n, H, sht, shs, WT, sa, sb, as, bs, r, P, G0, sgt, G1, sbt, sbr, dbeta, dH, dWT,
                 red, blk, d, t0, t1);
     return 0;
+}
+
+/* out_i = sum_s c[i, s] H_s + w_i y (i < n): a mixing then the write, each row as the forward formed it (sm_combine,
+ * then one fused multiply-add per element, as ATen's in-place addcmul); c[i, s] at c + i sci + s scs */
+static inline void sm_mix_write(float *out, const float *c, int64_t sci, int64_t scs, const float *Ht, int64_t shs,
+                                const float *w, int64_t sws, const float *yt, int64_t n, int64_t d) {
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + i * d;
+        const float wi = w[i * sws];
+        sm_combine(o, c + i * sci, scs, Ht, shs, n, d);
+        for (int64_t k = 0; k < d; k++) o[k] = SM_MADD(o[k], wi, yt[k]);
+    }
+}
+
+/* the streams after a sublayer from its mixing matrices M [tok, n + 1, n] (rows 1..n mix; smt, smr, smc): the
+ * segment rebuild of mHC (whose forward saves M) */
+int hfd_stream_mix_write(const float *M, int64_t smt, int64_t smr, int64_t smc, const float *H, int64_t sht,
+                         int64_t shs, const float *w, int64_t swt, int64_t sws, const float *y, int64_t syt, float *out,
+                         int64_t n, int64_t d, int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++)
+        sm_mix_write(out + t * n * d, M + t * smt + smr, smr, smc, H + t * sht, shs, w + t * swt, sws, y + t * syt,
+                     n, d);
+    return 0;
+}
+
+/* mHC's routing of one sublayer (design_mhc.MHCConnection) after its normalized projection proj [tok, C]
+ * (C = n^2 + 2n; (vec(H) phi) / rms(vec(H)), formed by the caller), per token:
+ *   u = tanh(proj) (``tanh``) or proj;  pre = sigmoid(a0 u[:n] + b[:n]);  post = 2 sigmoid(a1 u[n:2n] + b[n:2n])
+ *   res = Sinkhorn(a2 u[2n:] + b[2n:], as [n, n] row-major; transposed in and out for ``cf``, columns first)
+ *   M = [pre; res] [n + 1, n];  x = sum_s pre_s H_s,  mixed_i = sum_s res[i, s] H_s
+ * SK_LANES tokens at a time (the Sinkhorn's lanes). Returns 1 (nothing usable written) when some token's logits are
+ * out of the linear-domain Sinkhorn's range (the caller runs the log-domain form). Layouts: H [tok, n, d] (sht,
+ * shs); proj [tok, C], x [tok, d], mixed [tok, n, d], M [tok, n + 1, n], post [tok, n] contiguous. */
+#define MHC_MAX_STREAMS 8
+#define MHC_MAX_COLS (MHC_MAX_STREAMS * MHC_MAX_STREAMS + 2 * MHC_MAX_STREAMS)
+
+/* u, pre, post and the Sinkhorn's logits (lane l of L [n n][SK_LANES], as the Sinkhorn reads them) of one token */
+static inline void mhc_gates(const float *proj, const float *b, const float *a, int tanh_on, int cf, int64_t n,
+                             float *u, float *pre, float *post, float *L, int64_t l) {
+    const int64_t C = n * n + 2 * n;
+    if (tanh_on)
+        hc_tanh(u, proj, C);
+    else
+        memcpy(u, proj, sizeof(float) * (size_t)C);
+    for (int64_t s = 0; s < n; s++) {
+        pre[s] = 1.0f / (1.0f + expf(-(a[0] * u[s] + b[s])));
+        post[s] = 2.0f / (1.0f + expf(-(a[1] * u[n + s] + b[n + s])));
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < n; j++) {
+            const float v = a[2] * u[2 * n + i * n + j] + b[2 * n + i * n + j];
+            L[(cf ? j * n + i : i * n + j) * SK_LANES + l] = v;
+        }
+}
+
+int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, const float *proj, const float *b, const float *a,
+                  int64_t tanh_on, int64_t cf, int64_t iters, float *x, float *mixed, float *M, float *post, int64_t n,
+                  int64_t d, int64_t t0, int64_t t1) {
+    if (n > MHC_MAX_STREAMS) return 2;
+    const int64_t nn = n * n, C = nn + 2 * n, m = n + 1;
+    float *P = sk_buffer(n, iters);
+    if (!P) return 2;
+    float *S = P + (2 * iters + 1) * nn * SK_LANES;
+    float L[MHC_MAX_STREAMS * MHC_MAX_STREAMS * SK_LANES], pre[SK_LANES][MHC_MAX_STREAMS];
+    int status = 0;
+    for (int64_t t = t0; t < t1 && !status; t += SK_LANES) {
+        const int64_t nt = t1 - t < SK_LANES ? t1 - t : SK_LANES;
+        for (int64_t l = 0; l < nt; l++) {
+            float u[MHC_MAX_COLS];
+            mhc_gates(proj + (t + l) * C, b, a, (int)tanh_on, (int)cf, n, u, pre[l], post + (t + l) * n, L, l);
+        }
+        status = sk_block(L, 1, n * SK_LANES, SK_LANES, 0, nt, n, iters, 0, P, S);
+        for (int64_t l = 0; l < nt && !status; l++) {
+            float *Mt = M + (t + l) * m * n;
+            for (int64_t s = 0; s < n; s++) Mt[s] = pre[l][s];
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t s = 0; s < n; s++) Mt[(1 + i) * n + s] = P[(cf ? s * n + i : i * n + s) * SK_LANES + l];
+            const float *Ht = H + (t + l) * sht;
+            sm_combine(x + (t + l) * d, Mt, 1, Ht, shs, n, d);
+            for (int64_t i = 0; i < n; i++) sm_combine(mixed + ((t + l) * n + i) * d, Mt + (1 + i) * n, 1, Ht, shs, n, d);
+        }
+    }
+    free(P);
+    return status;
+}
+
+/* The backward of hfd_mhc_route up to the projection, per token, with G_0 = dx, G_{1+i} = dmixed_i:
+ *   dM[i, s] = G_i . H_s;  du_pre = dM[0] pre (1 - pre);  du_post = dpost post (1 - post / 2)
+ *   du_res = the Sinkhorn's backward of dM[1:] (iterates recomputed);  du = [du_pre, du_post, du_res]
+ *   dproj = du [a0 .. | a1 .. | a2 ..] (times 1 - u^2 for ``tanh``);  dQ = dproj r;  k = (dproj . proj) r^2 / (n d)
+ *   dH_s = sum_i M[i, s] G_i - k H_s   (the projection's dQ phi^T is the caller's product)
+ * and, per block of ``blk`` tokens (a multiple of SK_LANES), the token sums of du (d bias) and of du u by gate
+ * (d a0, d a1, d a2), in double: reds [blocks, C + 3]. Layouts: r [tok], M [tok, n + 1, n] (the forward's),
+ * G0 [tok, d] (sgt), G1 [tok, n, d] (sbt, sbr), dpost [tok, n], dH [tok, n, d] and dQ [tok, C] contiguous. */
+/* dH_s = sum_i M[i, s] G_i (rows 1.. first, then row 0) + k H_s for one token, 8 columns at a time */
+HC_INLINE void mhc_dH(int64_t n, float *dHt, const float *Mt, const float *const *g, const float *Ht, int64_t shs,
+                      float k, int64_t d) {
+    const int64_t m = n + 1;
+    int64_t c = 0;
+    for (; c + 8 <= d; c += 8) {
+        sm_v8 gv[MHC_MAX_STREAMS + 1];
+        for (int64_t i = 0; i < m; i++) gv[i] = sm_load(g[i] + c);
+        for (int64_t s = 0; s < n; s++) {
+            sm_v8 o = sm_splat(Mt[n + s]) * gv[1];
+            for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, sm_splat(Mt[i * n + s]), gv[i]);
+            o = sm_vmadd(o, sm_splat(Mt[s]), gv[0]);
+            o = sm_vmadd(o, sm_splat(k), sm_load(Ht + s * shs + c));
+            memcpy(dHt + s * d + c, &o, sizeof(o));
+        }
+    }
+    for (; c < d; c++)
+        for (int64_t s = 0; s < n; s++) {
+            float v = Mt[n + s] * g[1][c];
+            for (int64_t i = 2; i < m; i++) v = SM_MADD(v, Mt[i * n + s], g[i][c]);
+            v = SM_MADD(v, Mt[s], g[0][c]);
+            dHt[s * d + c] = SM_MADD(v, k, Ht[s * shs + c]);
+        }
+}
+
+int hfd_mhc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *proj, const float *r, const float *M,
+                      const float *b, const float *a, int64_t tanh_on, int64_t cf, int64_t iters, const float *G0,
+                      int64_t sgt, const float *G1, int64_t sbt, int64_t sbr, const float *dpost, float *dH,
+                      float *dQ, double *reds, int64_t blk, int64_t n, int64_t d, int64_t t0, int64_t t1) {
+    if (n > MHC_MAX_STREAMS) return 2;
+    const int64_t nn = n * n, C = nn + 2 * n, m = n + 1;
+    float *P = sk_buffer(n, iters);
+    if (!P) return 2;
+    float *S = P + (2 * iters + 1) * nn * SK_LANES;
+    float L[MHC_MAX_STREAMS * MHC_MAX_STREAMS * SK_LANES], G[MHC_MAX_STREAMS * MHC_MAX_STREAMS * SK_LANES];
+    float u[SK_LANES][MHC_MAX_COLS], pre[SK_LANES][MHC_MAX_STREAMS], post[SK_LANES][MHC_MAX_STREAMS];
+    float dM[SK_LANES][(MHC_MAX_STREAMS + 1) * MHC_MAX_STREAMS];
+    int status = 0;
+    for (int64_t t = t0; t < t1 && !status; t += SK_LANES) {
+        const int64_t nt = t1 - t < SK_LANES ? t1 - t : SK_LANES;
+        for (int64_t l = 0; l < SK_LANES; l++) {
+            if (l < nt) mhc_gates(proj + (t + l) * C, b, a, (int)tanh_on, (int)cf, n, u[l], pre[l], post[l], L, l);
+            for (int64_t e = 0; e < nn; e++) G[e * SK_LANES + l] = 0.0f;
+        }
+        for (int64_t l = 0; l < nt; l++) {
+            const float *Ht = H + (t + l) * sht;
+            sm_dots(dM[l], G0 + (t + l) * sgt, Ht, shs, n, d);
+            for (int64_t i = 0; i < n; i++) {
+                sm_dots(dM[l] + (1 + i) * n, G1 + (t + l) * sbt + i * sbr, Ht, shs, n, d);
+                for (int64_t s = 0; s < n; s++) /* the result's gradient as the Sinkhorn laid it out */
+                    G[(cf ? s * n + i : i * n + s) * SK_LANES + l] = dM[l][(1 + i) * n + s];
+            }
+        }
+        status = sk_block(L, 1, n * SK_LANES, SK_LANES, 0, nt, n, iters, 1, P, S);
+        if (status) break;
+        sk_backward(P, S, G, n, iters);
+        for (int64_t l = 0; l < nt; l++) {
+            const int64_t tt = t + l;
+            double *red = reds + (tt / blk) * (C + 3);
+            const float *pt = proj + tt * C, *Ht = H + tt * sht, *Mt = M + tt * m * n, rt = r[tt];
+            float du[MHC_MAX_COLS], kp = 0.0f;
+            for (int64_t s = 0; s < n; s++) {
+                du[s] = dM[l][s] * pre[l][s] * (1.0f - pre[l][s]);
+                du[n + s] = dpost[tt * n + s] * post[l][s] * (1.0f - 0.5f * post[l][s]);
+            }
+            for (int64_t i = 0; i < n; i++)
+                for (int64_t j = 0; j < n; j++) {
+                    const int64_t e = cf ? j * n + i : i * n + j;
+                    du[2 * n + i * n + j] = G[e * SK_LANES + l] * P[e * SK_LANES + l];
+                }
+            for (int64_t j = 0; j < C; j++) {
+                const int g = j < n ? 0 : (j < 2 * n ? 1 : 2);
+                red[j] += du[j];
+                red[C + g] += (double)du[j] * u[l][j];
+                float dp = du[j] * a[g];
+                if (tanh_on) dp = dp * (1.0f - u[l][j] * u[l][j]);
+                dQ[tt * C + j] = dp * rt;
+                kp += dp * pt[j];
+            }
+            const float k = -(kp * (rt * rt / (float)(n * d)));
+            /* dH_s = sum_i M[i, s] G_i (the mixing's rows first, then the branch input's: the eager order) - k H_s */
+            const float *g[MHC_MAX_STREAMS + 1];
+            g[0] = G0 + tt * sgt;
+            for (int64_t i = 0; i < n; i++) g[i + 1] = G1 + tt * sbt + i * sbr;
+            HC_DISPATCH(mhc_dH, n, dH + tt * n * d, Mt, g, Ht, shs, k, d);
+        }
+    }
+    free(P);
+    return status;
 }
