@@ -392,26 +392,27 @@ class HCConnection(MultiStreamConnection):
         grads["dynamic_alpha"], grads["dynamic_beta"] = dW[:-1].T, dW[-1]
         return grads
 
-    def _routing_params(self) -> tuple:
-        return (self._projection(), self.static_alpha, self.static_beta, self.alpha_scale, self.beta_scale)
+    def _gate_params(self) -> tuple:
+        return self.static_alpha, self.static_beta, self.alpha_scale, self.beta_scale
 
     def fused_route(self, H):
         if not (self.dynamic and self.stream_mixing):
             return None
-        out = native_stream_op(H, "hc_route", H, *self._routing_params(), self.eps)
+        out = native_stream_op(H, "hc_route", H, self._projection(), *self._gate_params(), self.eps)
         if out is None:
             return None
         x, mixed, A, beta, r, P = out
         return x, mixed, beta, self._seen_of(A, beta), (r, P)
 
     def fused_mixing(self, H, saved):
-        return native_stream_op(H, "hc_mixing", saved[1], *self._routing_params())[0]
+        return native_stream_op(H, "hc_mixing", saved[1], *self._gate_params())[0]
 
     def fused_rebuild(self, H, saved, w, y):
-        return native_stream_op(H, "hc_rebuild", H, saved[1], *self._routing_params(), w, y)
+        return native_stream_op(H, "hc_rebuild", H, saved[1], *self._gate_params(), w, y)
 
     def fused_backward(self, H, saved, dx, dmixed, dw):
-        out = native_stream_op(H, "hc_route_backward", H, *self._routing_params(), *saved, dx, dmixed, dw)
+        out = native_stream_op(H, "hc_route_backward", H, self._projection(), *self._gate_params(), *saved, dx,
+                               dmixed, dw)
         if out is None:
             return None
         dH, dWT, dsa, dsb, das, dbs = out

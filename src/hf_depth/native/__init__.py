@@ -59,15 +59,23 @@ _POOL: ThreadPoolExecutor | None = None
 NATIVE_VALUES = ("0", "1")
 
 
+_DECIDED: tuple = ()  # (HF_DEPTH_NATIVE, HF_DEPTH_KERNELS, enabled()) as last read: every native call asks
+
+
 def enabled() -> bool:
     """Whether the environment allows the native path (it may still be unavailable: ``status()``). Raises
     ``ValueError`` naming the variable for a value of ``HF_DEPTH_NATIVE`` (or ``HF_DEPTH_KERNELS``) it does not know."""
+    global _DECIDED
+    raw = (os.environ.get("HF_DEPTH_NATIVE"), os.environ.get("HF_DEPTH_KERNELS"))
+    if _DECIDED[:2] == raw:
+        return _DECIDED[2]
     from hf_depth.models.dispatch import mode
 
-    value = os.environ.get("HF_DEPTH_NATIVE", "1").strip() or "1"
+    value = (raw[0] or "1").strip() or "1"
     if value not in NATIVE_VALUES:
         raise ValueError(f"`HF_DEPTH_NATIVE` must be one of {list(NATIVE_VALUES)}, got {value!r}")
-    return value == "1" and mode() != "torch"
+    _DECIDED = (*raw, value == "1" and mode() != "torch")
+    return _DECIDED[2]
 
 
 def _compiler() -> str | None:
@@ -306,10 +314,12 @@ def _token_rows(t: torch.Tensor | None, rows: int, width: int):
     (fp32 CPU, the last dim contiguous), else None."""
     if t is None or t.dtype != torch.float32 or t.device.type != "cpu" or t.shape[-2:] != (rows, width):
         return None
+    if t.dim() == 2:
+        return (t, 0, t.stride(0)) if t.stride(-1) == 1 or width == 1 else None
+    if t.is_contiguous():  # the common case: a view by its shape alone
+        return t.view(-1, rows, width), rows * width if t.numel() > rows * width else 0, width
     if t.stride(-1) != 1 and width > 1:
         return None
-    if t.dim() == 2:
-        return t, 0, t.stride(0)
     flat = _flat(t)
     return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1))
 
@@ -449,11 +459,12 @@ HC_SUM_BLOCK = 64
 
 
 def _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n: int, d: int):
-    """(WT, sa, sb) fp32 contiguous and the two gate scales as floats, or None for shapes the kernel does not take."""
-    if WT.shape != (n + 2, d) or static_alpha.shape != (n, n + 1) or static_beta.shape != (n,):
+    """(WT, sa, sb) fp32 contiguous (WT None: not needed) and the two gate scales as floats, or None for shapes the
+    kernels do not take."""
+    if (WT is not None and WT.shape != (n + 2, d)) or static_alpha.shape != (n, n + 1) or static_beta.shape != (n,):
         return None
-    f32 = (WT.float().contiguous(), static_alpha.float().contiguous(), static_beta.float().contiguous())
-    return (*f32, float(alpha_scale), float(beta_scale))
+    f32 = (static_alpha.detach().float().contiguous(), static_beta.detach().float().contiguous())
+    return (None if WT is None else WT.float().contiguous(), *f32, float(alpha_scale), float(beta_scale))
 
 
 def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scale, eps: float):
@@ -478,12 +489,12 @@ def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha
     return x, mixed, A, beta, r, P
 
 
-def hc_mixing(P: torch.Tensor, WT, static_alpha, static_beta, alpha_scale, beta_scale):
+def hc_mixing(P: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scale):
     """(M = A^T [..., n + 1, n], beta [..., n]) from the saved P [..., n, n + 2] of ``hc_route``, formed as it
-    formed them (the same bits), or None. ``WT`` is unused (``hc_route``'s argument order)."""
+    formed them (the same bits), or None."""
     lib = library()
     n = P.shape[-2]
-    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, WT.shape[-1])
+    prm = _hc_params(None, static_alpha, static_beta, alpha_scale, beta_scale, n, 0)
     if lib is None or prm is None or P.dtype != torch.float32 or not P.is_contiguous() or n > MAX_HC_STREAMS:
         return None
     M, beta = torch.empty(*P.shape[:-2], n + 1, n, dtype=torch.float32), torch.empty(P.shape[:-1], dtype=torch.float32)
@@ -492,7 +503,7 @@ def hc_mixing(P: torch.Tensor, WT, static_alpha, static_beta, alpha_scale, beta_
     return M, beta
 
 
-def hc_rebuild(H: torch.Tensor, P: torch.Tensor, WT, static_alpha, static_beta, alpha_scale, beta_scale, w, y):
+def hc_rebuild(H: torch.Tensor, P: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scale, w, y):
     """The streams after the sublayer whose ``hc_route`` of H [..., n, d] saved P: its mixing, formed from P as the
     route formed it, plus w [..., n] ⊗ y [..., d] (the write), each row as ``write_streams`` adds it in place: the
     forward's streams, bit for bit, in one pass per token. None when the kernel does not take these tensors."""
@@ -500,7 +511,7 @@ def hc_rebuild(H: torch.Tensor, P: torch.Tensor, WT, static_alpha, static_beta, 
     n, d = H.shape[-2], H.shape[-1]
     h, yt = _token_rows(H, n, d), _token_rows(y.unsqueeze(-2), 1, d)
     wt = _token_rows(w.unsqueeze(-2), 1, n)
-    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
+    prm = _hc_params(None, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
     if (lib is None or None in (h, yt, wt, prm) or n > MAX_HC_STREAMS or P.dtype != torch.float32
             or not P.is_contiguous() or P.shape != (*H.shape[:-2], n, n + 2) or y.shape[:-1] != H.shape[:-2]
             or w.shape != H.shape[:-1]):
