@@ -467,6 +467,15 @@ def _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n: int, d
     return (None if WT is None else WT.float().contiguous(), *f32, float(alpha_scale), float(beta_scale))
 
 
+def _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale):
+    """(library, H's token rows, ``_hc_params``) for the HC kernels, or None where they do not take these."""
+    lib = library()
+    n, d = H.shape[-2], H.shape[-1]
+    h = _token_rows(H, n, d)
+    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
+    return None if lib is None or h is None or prm is None or n > MAX_HC_STREAMS else (lib, h, prm)
+
+
 def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scale, eps: float):
     """Dynamic HC's routing of streams H [..., n, d] (fp32) in one pass per token (``stream_mix.c``): returns
     (x [..., d], mixed [..., n, d], A [..., n, n + 1], beta [..., n], r [..., n, 1], P [..., n, n + 2]) with
@@ -474,13 +483,11 @@ def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha
     beta = static_beta + beta_scale tanh(P[..., n + 1]), x = A[..., 0]^T H and mixed = A[..., 1:]^T H: the function
     of ``HCConnection.routing_saved`` and ``read_and_mix`` (to fp32 rounding; the mixing's rows formed as
     ``mix_streams`` forms them from A). None when the kernel does not take these tensors."""
-    lib = library()
-    n, d = H.shape[-2], H.shape[-1]
-    h = _token_rows(H, n, d)
-    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
-    if lib is None or h is None or prm is None or n > MAX_HC_STREAMS:
+    got = _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale)
+    if got is None:
         return None
-    lead, tok = H.shape[:-2], h[0].shape[0]
+    lib, h, prm = got
+    n, d, lead, tok = H.shape[-2], H.shape[-1], H.shape[:-2], h[0].shape[0]
     x, mixed, A, beta, r, P = (torch.empty(*lead, *shape, dtype=torch.float32)
                                for shape in ((d,), (n, d), (n, n + 1), (n,), (n, 1), (n, n + 2)))
     args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm[:3]), *prm[3:], eps,
@@ -528,12 +535,11 @@ def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale,
     d], d static_alpha [n, n + 1], d static_beta [n], d alpha_scale, d beta_scale), fp32, given the gradients of x
     (dx [..., d]), of mixed (dmixed [..., n, d]) and of beta (dbeta [..., n]) and the saved r, P (contiguous). None
     when the kernel does not take these tensors."""
-    lib = library()
-    n, d = H.shape[-2], H.shape[-1]
-    h = _token_rows(H, n, d)
-    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
-    if lib is None or h is None or prm is None or n > MAX_HC_STREAMS:
+    got = _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale)
+    if got is None:
         return None
+    lib, h, prm = got
+    n, d = H.shape[-2], H.shape[-1]
     a = _token_rows(dx.unsqueeze(-2), 1, d) or _token_rows(dx.contiguous().unsqueeze(-2), 1, d)
     b = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
     db = dbeta.float().contiguous()
