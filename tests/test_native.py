@@ -481,10 +481,13 @@ def test_fused_mhc_routing_equals_the_equations(n, d, lead, tanh, columns_first)
     ref = _mhc_reference(leaves[0], proj64, leaves[2], leaves[3], tanh, columns_first, iters)
     r, proj = normalized_projection(H.flatten(-2), phi.T, 1e-6)
     args = (bias, alpha, tanh, columns_first, iters)
-    got = native.mhc_route(H, proj, *args)
+    raw = H.flatten(-2) @ phi  # the kernel normalizes the product in place and returns r
+    got = native.mhc_route(H, raw, *args, 1e-6)
+    torch.testing.assert_close(raw, proj, rtol=1e-5, atol=1e-5 * proj.abs().max().item())
+    torch.testing.assert_close(got[4], r, rtol=1e-6, atol=0)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
-    x, mixed, M, post = got
+    x, mixed, M, post, _ = got
     y = torch.randn(*lead, d, generator=g)
     # the one-pass mixing (``mix_streams``' rows at training shapes, the kernel's here), then the in-place write
     assert torch.equal(native.stream_mix_write(M, H, post, y), write_streams(native.stream_mix(M, H, 1)[1], post, y, inplace=True))
@@ -501,21 +504,21 @@ def test_fused_mhc_routing_equals_the_equations(n, d, lead, tanh, columns_first)
     try:
         torch.set_num_threads(2)
         assert all(torch.equal(a, b) for a, b in zip(out, native.mhc_route_backward(H, proj, r, M, *args, dx, dmixed, dpost)))
-        assert all(torch.equal(a, b) for a, b in zip(got, native.mhc_route(H, proj, *args)))
+        assert all(torch.equal(a, b) for a, b in zip(got, native.mhc_route(H, H.flatten(-2) @ phi, *args, 1e-6)))
     finally:
         torch.set_num_threads(before)
     wide = bias.clone()
     wide[2 * n] = 80.0  # one logit 80 above the others: out of the linear domain's range, for forward and backward
-    assert native.mhc_route(H, proj, wide, *args[1:]) is None
+    assert native.mhc_route(H, proj.clone(), wide, *args[1:], 1e-6) is None
     assert native.mhc_route_backward(H, proj, r, M, wide, *args[1:], dx, dmixed, dpost) is None
-    assert native.mhc_route(H, proj, bias, alpha, tanh, columns_first, 0) is None
+    assert native.mhc_route(H, proj.clone(), bias, alpha, tanh, columns_first, 0, 1e-6) is None
 
 
 def test_fused_mhc_routing_declines_more_streams_than_its_buffers():
     n, d = 9, 16
     H = torch.randn(2, 5, n, d)
     proj, bias = torch.randn(2, 5, n * n + 2 * n), torch.randn(n * n + 2 * n)
-    assert native.mhc_route(H, proj, bias, torch.ones(3), False, False, 20) is None
+    assert native.mhc_route(H, proj, bias, torch.ones(3), False, False, 20, 1e-6) is None
 
 
 @pytest.mark.parametrize("design,op", [("hc", "hc_route_backward"), ("mhc", "mhc_route_backward")])

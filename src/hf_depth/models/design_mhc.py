@@ -212,12 +212,13 @@ class MHCConnection(MultiStreamConnection):
         return self.static_bias, self.alpha_scale, self.tanh, self.columns_first, self.iters
 
     def fused_route(self, H):
-        # the projection by the library's product (a GEMM), the rest in one native pass per token
-        r, proj = normalized_projection(_acc(H.flatten(-2)), _acc(self.dynamic_phi).T, self.eps)
-        out = native_stream_op(H, "mhc_route", H, proj, *self._fused_args())
+        # the projection's product by the library (a GEMM), 1 / rms and the rest in one native pass per token
+        X = _acc(H.flatten(-2))
+        proj = (X.reshape(-1, X.shape[-1]) @ _acc(self.dynamic_phi)).view(*X.shape[:-1], -1)
+        out = native_stream_op(H, "mhc_route", H, proj, *self._fused_args(), self.eps)
         if out is None:
             return None
-        x, mixed, M, post = out
+        x, mixed, M, post, r = out
         return x, mixed, post, {"pre": M[..., 0, :], "res": M[..., 1:, :], "post": post}, (r, proj, M)
 
     def fused_mixing(self, H, saved):

@@ -152,7 +152,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_hc_gates.argtypes = [P, P, P, F, F, P, P, N, N, N]
     lib.hfd_hc_rebuild.argtypes = [P, N, N, P, P, P, F, F, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_stream_mix_write.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, P, N, N, N, N]
-    lib.hfd_mhc_route.argtypes = [P, N, N, P, P, P, N, N, N, P, P, P, P, N, N, N, N]
+    lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, F, F, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
@@ -594,24 +594,27 @@ def _mhc_inputs(H, proj, bias, alpha, iters):
     return lib, h, proj, bias.detach().float().contiguous(), alpha.detach().float().contiguous()
 
 
-def mhc_route(H: torch.Tensor, proj: torch.Tensor, bias, alpha, tanh: bool, columns_first: bool, iters: int):
-    """mHC's routing of streams H [..., n, d] (fp32) from its normalized projection proj [..., n^2 + 2n] =
-    (vec(H) phi) / rms(vec(H)): (x [..., d], mixed [..., n, d], M [..., n + 1, n] = [pre; res], post [..., n]),
-    with u = tanh(proj) (``tanh``) or proj, pre = sigmoid(a0 u + b), post = 2 sigmoid(a1 u + b), res = the
+def mhc_route(H: torch.Tensor, proj: torch.Tensor, bias, alpha, tanh: bool, columns_first: bool, iters: int,
+              eps: float):
+    """mHC's routing of streams H [..., n, d] (fp32) from the product of its projection proj [..., n^2 + 2n] =
+    vec(H) phi, which becomes the normalized projection (vec(H) phi) r in place, r = 1 / rms(vec(H)) (``eps``):
+    returns (x [..., d], mixed [..., n, d], M [..., n + 1, n] = [pre; res], post [..., n], r [..., 1]), with
+    u = tanh(proj) (``tanh``) or proj, pre = sigmoid(a0 u + b), post = 2 sigmoid(a1 u + b), res = the
     linear-domain Sinkhorn of a2 u + b (``iters`` rounds, rows first; ``columns_first``: of the transposed logits,
     transposed back), x = pre^T H, mixed = res H: ``MHCConnection.routing_saved`` and ``read_and_mix`` after the
-    projection (to fp32 rounding), in one pass per token. None when the kernel does not take these tensors, or
-    when some token's logits are out of the linear-domain Sinkhorn's range (``sinkhorn``)."""
+    product (to fp32 rounding), in one pass per token. None when the kernel does not take these tensors, or when
+    some token's logits are out of the linear-domain Sinkhorn's range (``sinkhorn``; proj is then partly scaled)."""
     got = _mhc_inputs(H, proj, bias, alpha, iters)
     if got is None:
         return None
     lib, h, proj, b, a = got
     n, d, lead = H.shape[-2], H.shape[-1], H.shape[:-2]
-    x, mixed, M, post = (torch.empty(*lead, *shape, dtype=torch.float32) for shape in ((d,), (n, d), (n + 1, n), (n,)))
-    args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(b), _ptr(a), int(tanh), int(columns_first), iters,
+    x, mixed, M, post, r = (torch.empty(*lead, *shape, dtype=torch.float32)
+                            for shape in ((d,), (n, d), (n + 1, n), (n,), (1,)))
+    args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(r), eps, _ptr(b), _ptr(a), int(tanh), int(columns_first), iters,
             *(_ptr(t) for t in (x, mixed, M, post)), n, d)
     ok = _run_tokens(lambda lo, hi: lib.hfd_mhc_route(*args, lo, hi), h[0].shape[0])
-    return (x, mixed, M, post) if ok else None
+    return (x, mixed, M, post, r) if ok else None
 
 
 def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bool, iters: int, dx, dmixed, dpost):

@@ -588,14 +588,30 @@ int hfd_stream_mix_write(const float *M, int64_t smt, int64_t smr, int64_t smc, 
     return 0;
 }
 
-/* mHC's routing of one sublayer (design_mhc.MHCConnection) after its normalized projection proj [tok, C]
- * (C = n^2 + 2n; (vec(H) phi) / rms(vec(H)), formed by the caller), per token:
+/* sum of the squares of one token's n streams of d (rows sx apart), 8 lanes */
+static inline float hfd_sumsq(const float *x, int64_t sx, int64_t n, int64_t d) {
+    sm_v8 q = {0};
+    float tail = 0.0f;
+    for (int64_t s = 0; s < n; s++) {
+        const float *row = x + s * sx;
+        int64_t k = 0;
+        for (; k + 8 <= d; k += 8) {
+            const sm_v8 v = sm_load(row + k);
+            q += v * v;
+        }
+        for (; k < d; k++) tail += row[k] * row[k];
+    }
+    return SM_SUM(q) + tail;
+}
+
+/* mHC's routing of one sublayer (design_mhc.MHCConnection) after the product of its projection proj [tok, C]
+ * (C = n^2 + 2n; vec(H) phi, the caller's GEMM), per token: r = 1 / rms(vec(H)) (eps), proj *= r in place, then
  *   u = tanh(proj) (``tanh``) or proj;  pre = sigmoid(a0 u[:n] + b[:n]);  post = 2 sigmoid(a1 u[n:2n] + b[n:2n])
  *   res = Sinkhorn(a2 u[2n:] + b[2n:], as [n, n] row-major; transposed in and out for ``cf``, columns first)
  *   M = [pre; res] [n + 1, n];  x = sum_s pre_s H_s,  mixed_i = sum_s res[i, s] H_s
  * SK_LANES tokens at a time (the Sinkhorn's lanes). Returns 1 (nothing usable written) when some token's logits are
  * out of the linear-domain Sinkhorn's range (the caller runs the log-domain form). Layouts: H [tok, n, d] (sht,
- * shs); proj [tok, C], x [tok, d], mixed [tok, n, d], M [tok, n + 1, n], post [tok, n] contiguous. */
+ * shs); proj [tok, C], r [tok], x [tok, d], mixed [tok, n, d], M [tok, n + 1, n], post [tok, n] contiguous. */
 #define MHC_MAX_STREAMS 8
 #define MHC_MAX_COLS (MHC_MAX_STREAMS * MHC_MAX_STREAMS + 2 * MHC_MAX_STREAMS)
 
@@ -618,9 +634,9 @@ static inline void mhc_gates(const float *proj, const float *b, const float *a, 
         }
 }
 
-int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, const float *proj, const float *b, const float *a,
-                  int64_t tanh_on, int64_t cf, int64_t iters, float *x, float *mixed, float *M, float *post, int64_t n,
-                  int64_t d, int64_t t0, int64_t t1) {
+int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, float *proj, float *r, float eps, const float *b,
+                  const float *a, int64_t tanh_on, int64_t cf, int64_t iters, float *x, float *mixed, float *M,
+                  float *post, int64_t n, int64_t d, int64_t t0, int64_t t1) {
     if (n > MHC_MAX_STREAMS) return 2;
     const int64_t nn = n * n, C = nn + 2 * n, m = n + 1;
     float *P = sk_buffer(n, iters);
@@ -631,8 +647,11 @@ int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, const float *proj, c
     for (int64_t t = t0; t < t1 && !status; t += SK_LANES) {
         const int64_t nt = t1 - t < SK_LANES ? t1 - t : SK_LANES;
         for (int64_t l = 0; l < nt; l++) {
-            float u[MHC_MAX_COLS];
-            mhc_gates(proj + (t + l) * C, b, a, (int)tanh_on, (int)cf, n, u, pre[l], post + (t + l) * n, L, l);
+            float u[MHC_MAX_COLS], *pt = proj + (t + l) * C;
+            const float rt = 1.0f / sqrtf(hfd_sumsq(H + (t + l) * sht, shs, n, d) / (float)(n * d) + eps);
+            r[t + l] = rt;
+            for (int64_t j = 0; j < C; j++) pt[j] *= rt; /* the normalized projection, in place */
+            mhc_gates(pt, b, a, (int)tanh_on, (int)cf, n, u, pre[l], post + (t + l) * n, L, l);
         }
         status = sk_block(L, 1, n * SK_LANES, SK_LANES, 0, nt, n, iters, 0, P, S);
         for (int64_t l = 0; l < nt && !status; l++) {
