@@ -955,7 +955,7 @@ class _Route(torch.autograd.Function):
         ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
         ctx.by_hand = not dispatch.use_triton(H)
         with torch.autocast(device_type=H.device.type, enabled=False):
-            fused = conn.fused_route(H) if ctx.by_hand else None
+            fused = conn.fused_route(H) if ctx.by_hand and _native_streams(H) else None
             ctx.fused = fused is not None
             if fused is not None:  # the routing and the mixing in one native pass
                 x, mixed, w, seen, saved = fused
@@ -1070,7 +1070,7 @@ def stream_route(conn, s: int, H: torch.Tensor):
             return conn.route(H)  # decoding (a few tokens): the reference's fewer ops
         # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
         # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
-        fused = conn.fused_route(H)
+        fused = conn.fused_route(H) if _native_streams(H) else None
         if fused is not None:
             return fused[:4]
         M, w, seen, _ = conn.routing_saved(H)
