@@ -218,8 +218,10 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
 
     def fused_mixing(self, H: torch.Tensor, saved: tuple) -> torch.Tensor:
         """M [..., n+1, n] of streams H from the ``saved`` of ``fused_route``, the same bits as it used (the
-        segment's streams are rebuilt with it)."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused route")
+        segment's streams are rebuilt with it). By default ``routing_rebuild``'s M: right where ``fused_route``
+        saves what ``routing_saved`` saves and the rebuild returns the forward's M (mHC); a design whose rebuild
+        recomputes M overrides this with the fused kernel's arithmetic (HC)."""
+        return self.routing_rebuild(saved)[0]
 
     def fused_rebuild(self, H: torch.Tensor, saved: tuple, w: torch.Tensor, y: torch.Tensor):
         """The streams after this sublayer (its mixing of H, then ``+ w ⊗ y``, the write of the branch output y),

@@ -221,9 +221,6 @@ class MHCConnection(MultiStreamConnection):
         x, mixed, M, post, r = out
         return x, mixed, post, {"pre": M[..., 0, :], "res": M[..., 1:, :], "post": post}, (r, proj, M)
 
-    def fused_mixing(self, H, saved):
-        return saved[2]
-
     def fused_rebuild(self, H, saved, w, y):
         return native_stream_op(H, "stream_mix_write", saved[2], H, w, y)
 

@@ -255,6 +255,11 @@ static void sk_backward(const float *P, const float *S, float *G, int64_t n, int
     }
 }
 
+/* the normalizers' part [2 iters][n][lanes] of an sk_buffer, after its iterates */
+static inline float *sk_norms(float *P, int64_t n, int64_t iters) {
+    return P + (2 * iters + 1) * n * n * SK_LANES;
+}
+
 static float *sk_buffer(int64_t n, int64_t iters) {
     return (float *)malloc(sizeof(float) * (size_t)(((2 * iters + 1) * n * n + 2 * iters * n) * SK_LANES));
 }
@@ -263,7 +268,7 @@ int hfd_sinkhorn(const float *L, int64_t slt, int64_t sli, int64_t slj, float *r
                  int64_t t0, int64_t t1) {
     float *P = sk_buffer(n, iters);
     if (!P) return 2;
-    float *S = P + (2 * iters + 1) * n * n * SK_LANES;
+    float *S = sk_norms(P, n, iters);
     const int64_t nn = n * n;
     int status = 0;
     for (int64_t t = t0; t < t1 && !status; t += SK_LANES) {
@@ -281,7 +286,7 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
                      int64_t iters, int64_t t0, int64_t t1) {
     float *P = sk_buffer(n, iters);
     if (!P) return 2;
-    float *S = P + (2 * iters + 1) * n * n * SK_LANES;
+    float *S = sk_norms(P, n, iters);
     const int64_t nn = n * n;
     float *G = (float *)malloc(sizeof(float) * (size_t)(nn * SK_LANES));
     if (!G) {
@@ -321,11 +326,11 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
 #define HC_MAX_STREAMS 8
 #define HC_MAX_COLS (HC_MAX_STREAMS + 2)
 
+/* 8 int32 lanes: comparison masks and the bits of sm_v8 lanes */
 typedef int32_t sm_i8 __attribute__((vector_size(32)));
 
 static inline sm_i8 sm_splat_i(int32_t x) {
-    const sm_i8 v = {x, x, x, x, x, x, x, x};
-    return v;
+    return (sm_i8){0} + x; /* the scalar broadcast to every lane */
 }
 
 /* lanes of a where the mask is set, else of b */
@@ -459,6 +464,18 @@ int hfd_hc_gates(const float *P, const float *sa, const float *sb, float as, flo
     return 0;
 }
 
+/* out_i = sum_s c[i, s] H_s + w_i y (i < n): a mixing then the write, each row as the forward formed it (sm_combine,
+ * then one fused multiply-add per element, as ATen's in-place addcmul); c[i, s] at c + i sci + s scs */
+static inline void sm_mix_write(float *out, const float *c, int64_t sci, int64_t scs, const float *Ht, int64_t shs,
+                                const float *w, int64_t sws, const float *yt, int64_t n, int64_t d) {
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + i * d;
+        const float wi = w[i * sws];
+        sm_combine(o, c + i * sci, scs, Ht, shs, n, d);
+        for (int64_t k = 0; k < d; k++) o[k] = SM_MADD(o[k], wi, yt[k]);
+    }
+}
+
 /* the next sublayer's streams from the saved P, as the forward formed them: mixed_i = sum_s A[s, i + 1] H_s, then
  * H'_i = mixed_i + w_i y (one fused multiply-add per element, as ATen's in-place addcmul of the write); w [tok, n]
  * (swt, sws), y [tok, d] (syt), out [tok, n, d] contiguous */
@@ -467,15 +484,9 @@ int hfd_hc_rebuild(const float *H, int64_t sht, int64_t shs, const float *P, con
                    int64_t n, int64_t d, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2;
     for (int64_t t = t0; t < t1; t++) {
-        const float *Ht = H + t * sht, *yt = y + t * syt;
         float T[HC_MAX_STREAMS * HC_MAX_COLS], A[HC_MAX_STREAMS * (HC_MAX_STREAMS + 1)], beta[HC_MAX_STREAMS];
         hc_gates(P + t * n * (n + 2), sa, sb, as, bs, n, T, A, beta);
-        for (int64_t i = 0; i < n; i++) {
-            float *o = out + (t * n + i) * d;
-            const float wi = w[t * swt + i * sws];
-            sm_combine(o, A + i + 1, n + 1, Ht, shs, n, d);
-            for (int64_t k = 0; k < d; k++) o[k] = SM_MADD(o[k], wi, yt[k]);
-        }
+        sm_mix_write(out + t * n * d, A + 1, 1, n + 1, H + t * sht, shs, w + t * swt, sws, y + t * syt, n, d);
     }
     return 0;
 }
@@ -565,18 +576,6 @@ int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *WT, 
     return 0;
 }
 
-/* out_i = sum_s c[i, s] H_s + w_i y (i < n): a mixing then the write, each row as the forward formed it (sm_combine,
- * then one fused multiply-add per element, as ATen's in-place addcmul); c[i, s] at c + i sci + s scs */
-static inline void sm_mix_write(float *out, const float *c, int64_t sci, int64_t scs, const float *Ht, int64_t shs,
-                                const float *w, int64_t sws, const float *yt, int64_t n, int64_t d) {
-    for (int64_t i = 0; i < n; i++) {
-        float *o = out + i * d;
-        const float wi = w[i * sws];
-        sm_combine(o, c + i * sci, scs, Ht, shs, n, d);
-        for (int64_t k = 0; k < d; k++) o[k] = SM_MADD(o[k], wi, yt[k]);
-    }
-}
-
 /* the streams after a sublayer from its mixing matrices M [tok, n + 1, n] (rows 1..n mix; smt, smr, smc): the
  * segment rebuild of mHC (whose forward saves M) */
 int hfd_stream_mix_write(const float *M, int64_t smt, int64_t smr, int64_t smc, const float *H, int64_t sht,
@@ -641,7 +640,7 @@ int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, float *proj, float *
     const int64_t nn = n * n, C = nn + 2 * n, m = n + 1;
     float *P = sk_buffer(n, iters);
     if (!P) return 2;
-    float *S = P + (2 * iters + 1) * nn * SK_LANES;
+    float *S = sk_norms(P, n, iters);
     float L[MHC_MAX_STREAMS * MHC_MAX_STREAMS * SK_LANES], pre[SK_LANES][MHC_MAX_STREAMS];
     int status = 0;
     for (int64_t t = t0; t < t1 && !status; t += SK_LANES) {
@@ -709,7 +708,7 @@ int hfd_mhc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *pro
     const int64_t nn = n * n, C = nn + 2 * n, m = n + 1;
     float *P = sk_buffer(n, iters);
     if (!P) return 2;
-    float *S = P + (2 * iters + 1) * nn * SK_LANES;
+    float *S = sk_norms(P, n, iters);
     float L[MHC_MAX_STREAMS * MHC_MAX_STREAMS * SK_LANES], G[MHC_MAX_STREAMS * MHC_MAX_STREAMS * SK_LANES];
     float u[SK_LANES][MHC_MAX_COLS], pre[SK_LANES][MHC_MAX_STREAMS], post[SK_LANES][MHC_MAX_STREAMS];
     float dM[SK_LANES][(MHC_MAX_STREAMS + 1) * MHC_MAX_STREAMS];
