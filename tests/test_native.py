@@ -287,6 +287,43 @@ def test_native_sinkhorn_equals_the_reference():
     assert native.sinkhorn(L, 0) is None  # no iteration: exp(logits) unnormalized, the eager form's
 
 
+def _model_kernels_equal_eager(model, x, ops, to_eager, monkeypatch):
+    """The native ``ops`` run (counted) in a training step of ``model`` on ``x``; 2 threads and activation
+    checkpointing change no bit of the logits or any parameter gradient; after ``to_eager()`` (the eager form) they
+    agree at fp32 rounding (1e-6)."""
+    calls = []
+    for op in ops:
+        real = getattr(native, op)
+        monkeypatch.setattr(native, op, lambda *a, _op=op, _real=real: calls.append(_op) or _real(*a))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(x, labels=x, use_cache=False)
+        (out.logits.pow(2).mean() + out.loss).backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    logits, grads = run()
+    assert set(calls) == set(ops), calls
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        logits2, grads2 = run()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits, logits2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
+    model.activation_checkpointing_enable()  # the recomputed forward runs the same kernels: the same gradients
+    ckpt_logits, ckpt = run()
+    model.activation_checkpointing_disable()
+    assert torch.equal(logits, ckpt_logits) and all(torch.equal(grads[k], ckpt[k]) for k in grads)
+    to_eager()
+    eager_logits, eager = run()
+    torch.testing.assert_close(logits, eager_logits, atol=1e-6 * max(1.0, eager_logits.abs().max().item()), rtol=1e-6)
+    assert grads.keys() == eager.keys()
+    for name in eager:
+        scale = max(1.0, eager[name].abs().max().item())
+        torch.testing.assert_close(grads[name], eager[name], atol=1e-6 * scale, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("design,extra", [("hc", {}), ("mhc", {}), ("mhc", {"mhc_sinkhorn_order": "columns_first"})])
 @pytest.mark.parametrize("layers", [1, 2, 7])
 def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
@@ -300,43 +337,12 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
             if "connection" in name:
                 p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
-    calls = []
-
-    def counted(op):
-        real = getattr(native, op)
-        return lambda *a: calls.append(op) or real(*a)
-
     fused = {"hc": ("hc_route", "hc_rebuild", "hc_route_backward"),
              "mhc": ("mhc_route", "stream_mix_write", "mhc_route_backward")}[design]
-    for op in fused:
-        monkeypatch.setattr(native, op, counted(op))
+    def to_eager():
+        monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
 
-    def run():
-        model.zero_grad(set_to_none=True)
-        out = model(x, labels=x, use_cache=False)
-        (out.logits.pow(2).mean() + out.loss).backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    logits, grads = run()
-    assert set(calls) == set(fused), calls
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        logits2, grads2 = run()
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(logits, logits2) and all(torch.equal(grads[k], grads2[k]) for k in grads)
-    model.activation_checkpointing_enable()  # the recomputed forward runs the same kernels: the same gradients
-    ckpt_logits, ckpt = run()
-    model.activation_checkpointing_disable()
-    assert torch.equal(logits, ckpt_logits) and all(torch.equal(grads[k], ckpt[k]) for k in grads)
-    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
-    eager_logits, eager = run()
-    torch.testing.assert_close(logits, eager_logits, atol=1e-6 * max(1.0, eager_logits.abs().max().item()), rtol=1e-6)
-    assert grads.keys() == eager.keys()
-    for name in eager:
-        scale = max(1.0, eager[name].abs().max().item())
-        torch.testing.assert_close(grads[name], eager[name], atol=1e-6 * scale, rtol=1e-5, msg=name)
+    _model_kernels_equal_eager(model, x, fused, to_eager, monkeypatch)
 
 
 def test_mhc_logits_out_of_the_kernels_range_take_the_log_domain_form(monkeypatch):
@@ -548,3 +554,118 @@ def test_a_fused_forward_whose_backward_declines_takes_the_by_hand_steps(design,
     for name in eager:
         scale = max(1.0, eager[name].abs().max().item())
         torch.testing.assert_close(declined[name], eager[name], atol=1e-6 * scale, rtol=1e-5, msg=name)
+
+
+# --------------------------------------------------------------------------- AttnRes' depth softmax (attnres_agg.c)
+def _agg_reference(z, V, P, qg, eps, dout):
+    """float64 autograd of the kernels' function: the logits z [K, N] and the sources V [K, N, d] as independent
+    leaves (the caller's products own d z / d v), the partial P [N, d] through its logit and its weight."""
+    z, V, qg, dout = (t.double().detach().requires_grad_() for t in (z, V, qg, dout))
+    P = None if P is None else P.double().detach().requires_grad_()
+    logits, terms = z, (V,)
+    rp = zp = None
+    if P is not None:
+        rp = torch.rsqrt(P.pow(2).mean(-1) + eps)
+        zp = rp * (P @ qg)
+        zp.retain_grad()
+        logits, terms = torch.cat((z, zp.unsqueeze(0))), (V, P.unsqueeze(0))
+    p = torch.softmax(logits, dim=0)
+    out = (p.unsqueeze(-1) * torch.cat(terms)).sum(0)
+    (out * dout).sum().backward()
+    a = None if P is None else zp.grad * rp
+    return {"out": out, "p": p.t(), "rp": rp, "zp": zp, "DZ": z.grad, "dV": V.grad,
+            "dP": None if P is None else P.grad, "a": a}
+
+
+@pytest.mark.parametrize("K,N,d,partial", [(1, 5, 20, True), (3, 70, 64, False), (9, 37, 37, True), (1, 1, 8, False),
+                                           (4, 130, 48, True), (70, 21, 24, True)])
+def test_aggregation_kernels_equal_the_equations(K, N, d, partial):
+    """``agg_forward`` / ``agg_backward`` against float64 autograd of AttnRes' depth softmax: the output, the weights
+    (token-major), the partial's 1 / rms and logit, the logits' and the sources' gradients (added into the
+    accumulator in place) and the partial's, for one or several sources, with and without a partial sum, d no
+    multiple of the 8 lanes, one token, token counts no multiple of a chunk, several threads' worth, 70 sources;
+    slot strides of the caller's buffers."""
+    g = torch.Generator().manual_seed(K * 100 + N)
+    Vbank = torch.randn(K + 2, N, d, generator=g)  # a bank's first K slots
+    V = Vbank[:K]
+    qg = torch.randn(d, generator=g) * 0.5
+    zbuf = torch.randn(3, K + 4, N, generator=g)
+    z = zbuf[1, :K]  # a consumer's row of the two-phase logits [C, capacity, N]
+    P = torch.randn(N, d, generator=g) * 3 if partial else None
+    dout = torch.randn(N, d, generator=g)
+    ref = _agg_reference(z, V, P, qg, 1e-6, dout)
+    out, p, rp, zp = native.agg_forward(z, V, P, qg, 1e-6)
+    _close(out, ref["out"].float())
+    _close(p, ref["p"].float())
+    if partial:
+        _close(rp, ref["rp"].float())
+        _close(zp, ref["zp"].float())
+    else:
+        assert rp is None and zp is None and p.shape == (N, K)
+    DZ = torch.full((2, K + 1, N), float("nan"))
+    dV0 = torch.randn(K + 3, N, d, generator=g)
+    dV = dV0.clone()
+    dP, a = native.agg_backward(z, V, P, qg, rp, zp, dout, DZ[1, :K], dV[:K])
+    _close(DZ[1, :K], ref["DZ"].float())
+    assert torch.isnan(DZ[0]).all() and torch.isnan(DZ[1, K:]).all()  # only the consumer's row is written
+    _close(dV[:K] - dV0[:K], ref["dV"].float())
+    assert torch.equal(dV[K:], dV0[K:])
+    if partial:
+        _close(dP, ref["dP"].float())
+        _close(a, ref["a"].float())
+    else:
+        assert dP is None and a is None
+    before = torch.get_num_threads()
+    try:  # tokens split over threads: the same bits
+        torch.set_num_threads(2)
+        again = native.agg_forward(z, V, P, qg, 1e-6)
+        dV2 = dV0.clone()
+        DZ2 = torch.full((2, K + 1, N), float("nan"))
+        back2 = native.agg_backward(z, V, P, qg, rp, zp, dout, DZ2[1, :K], dV2[:K])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(x, y) for x, y in zip((out, p), again[:2]))
+    assert torch.equal(dV2, dV) and torch.equal(DZ2[1, :K], DZ[1, :K])
+    assert all(x is None and y is None or torch.equal(x, y) for x, y in zip((dP, a), back2))
+
+
+def test_aggregation_kernels_decline_what_they_do_not_take():
+    K, N, d = 3, 6, 16
+    z, V, P, qg = torch.randn(K, N), torch.randn(K, N, d), torch.randn(N, d), torch.randn(d)
+    assert native.agg_forward(z, V.bfloat16(), P, qg, 1e-6) is None
+    assert native.agg_forward(z.t().contiguous().t(), V, P, qg, 1e-6) is None  # tokens not contiguous
+    assert native.agg_forward(z, V.transpose(1, 2).contiguous().transpose(1, 2), P, qg, 1e-6) is None
+    assert native.agg_forward(z, V, P[:-1], qg, 1e-6) is None
+    assert native.agg_forward(z, V, P, qg[:-1], 1e-6) is None
+    assert native.agg_forward(z[:-1], V, P, qg, 1e-6) is None
+    assert native.agg_forward(z[:0], V[:0], P, qg, 1e-6) is None  # no stable source
+    _, _, rp, zp = native.agg_forward(z, V, P, qg, 1e-6)
+    dV, DZ = torch.zeros(K, N, d), torch.zeros(K, N)
+    assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d).t().contiguous().t(), DZ, dV) is None
+    assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d), DZ, dV.double()) is None
+    assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d), DZ[:, :-1], dV) is None
+    assert not dV.any() and not DZ.any()  # a declined call writes nothing
+
+
+@pytest.mark.parametrize("design,extra", [("attnres", {}), ("block_attnres", {"attnres_block_size": 2}),
+                                          ("block_attnres", {"attnres_block_size": 3})])
+@pytest.mark.parametrize("layers", [1, 2, 7])
+def test_model_aggregation_kernels_equal_eager(design, extra, layers, monkeypatch):
+    """Full and Block AttnRes with queries and key norms away from their init (zero queries give uniform weights,
+    which would hide a softmax error): logits and every parameter gradient equal the eager form's at fp32 rounding;
+    neither the thread count nor activation checkpointing changes a bit."""
+    extra = {k: min(v, 2 * layers) for k, v in extra.items()}  # a block holds at most every sublayer
+    model = tiny_model(design, num_hidden_layers=layers, **extra)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for name, p in model.named_parameters():
+            if "query" in name or "key_norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randint(2, 97, (4, 40), generator=torch.Generator().manual_seed(3))
+    ops = ("agg_forward", "agg_backward")
+
+    def to_eager():
+        for op in ops:
+            monkeypatch.setattr(native, op, lambda *a: None)  # every call declines: the eager form
+
+    _model_kernels_equal_eager(model, x, ops, to_eager, monkeypatch)

@@ -15,8 +15,9 @@ The plain autograd form of these designs keeps a stacked copy of every earlier s
   normalized keys, logits and softmax in backward.
 
 On CPU (fp32, outside ``torch.compile``) MoDA's depth part runs the native kernel of ``hf_depth.native`` (one pass
-over each bank per direction; each slot's gradient summed once, by its first reader, from the consumers' records);
-the eager form below is its fallback and reference.
+over each bank per direction; each slot's gradient summed once, by its first reader, from the consumers' records),
+and AttnRes' softmax and weighted sum over the sources theirs (``native.agg_forward`` / ``agg_backward``, one pass
+per token); the eager forms below are their fallback and reference.
 
 Numerics: the same function as ``functional.depth_softmax`` / ``functional.moda_attention`` (fp32 inside);
 gradients are the analytic ones, equal to autograd of the references up to fp32 rounding (tests compare both
@@ -164,11 +165,16 @@ def _partial_logit(partial, qg, eps):
     return Pa, rp, rp * (Pa @ qg)
 
 
+def _slot_logits(qg, Va, r):
+    """z [K, N] = r_k <qg, v_k> of the sources Va [K, N, d] (in qg's dtype) and their 1 / rms r [K, N]."""
+    K, N, d = Va.shape
+    return r * (Va.reshape(K * N, d) @ qg).view(K, N)
+
+
 def _agg_softmax(qg, V, r, zp):
     """(logits, softmax, V in fp32) over V [K, N, d] (+ the partial's logit zp [N] as the last entry); fp32 math."""
-    K, N, d = V.shape
     Va = V if V.dtype == qg.dtype else V.to(qg.dtype)
-    z = r * (Va.reshape(K * N, d) @ qg).view(K, N)
+    z = _slot_logits(qg, Va, r)
     if zp is not None:
         z = torch.cat((z, zp.unsqueeze(0)))
     return z, torch.softmax(z, dim=0), Va
@@ -220,15 +226,32 @@ def _weighted_sum(p, Va, Pa):
     return out
 
 
+def _aggregate(z, Va, partial, qg, eps):
+    """The depth softmax's forward from the stable sources' logits z [K, N] (Va [K, N, d], in qg's dtype) and the
+    running partial sum (its logit formed here): (out [N, d], p [N, S] token-major, r_P, z_P). On CPU in fp32 the
+    native kernel (``native.agg_forward``: one pass per token); else, or where it does not take the tensors, the
+    eager form (the reference)."""
+    if native is not None and SourceBank.enabled():
+        fused = native.agg_forward(z, Va, None if partial is None else partial.reshape(-1, Va.shape[-1]), qg, eps)
+        if fused is not None:
+            return fused
+    Pa = rp = zp = None
+    if partial is not None:
+        Pa, rp, zp = _partial_logit(partial, qg, eps)
+        z = torch.cat((z, zp.unsqueeze(0)))
+    p = torch.softmax(z, dim=0)
+    return _weighted_sum(p, Va, Pa), p.t(), rp, zp
+
+
 def _aggregate_outputs(ctx, saved, eps, bank, fresh, out, p):
     """What both depth-softmax Functions save and return: (out [..., d] in V's dtype, p [..., S]). ``saved``:
-    (query, key weight, V, 1/rms of V, partial, its 1/rms, its logit)."""
+    (query, key weight, V, 1/rms of V, partial, its 1/rms, its logit); p [N, S]."""
     V = saved[2]
     lead, d = V.shape[1:-1], V.shape[-1]
     ctx.save_for_backward(*saved)  # the same tensors on both paths (a checkpointed recomputation may take either)
     ctx.eps, ctx.bank, ctx.fresh = eps, bank, fresh
     ctx.set_materialize_grads(False)  # p is not differentiable: no zero gradient is made for it
-    p = p.movedim(0, -1).reshape(*lead, -1)
+    p = p.reshape(*lead, -1)
     ctx.mark_non_differentiable(p)
     return out.to(V.dtype).view(*lead, d), p
 
@@ -331,12 +354,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Va = Va if Va.dtype == acc else Va.to(acc)
         qc = two.qg_d[col]
         z = two.z[col, :K] if two.z is not None else r.reshape(K, -1) * (Va.reshape(-1, d) @ qc).view(K, -1)
-        Pa = rp = zp = None
-        if partial is not None:
-            Pa, rp, zp = _partial_logit(partial, qc, eps)
-            z = torch.cat((z, zp.unsqueeze(0)))
-        p = torch.softmax(z, dim=0)
-        out = _weighted_sum(p, Va, Pa)
+        out, p, rp, zp = _aggregate(z, Va, partial, qc, eps)
         if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
             two.z = None
         ctx.two, ctx.col = two, col
@@ -353,21 +371,29 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Z, DZ, DQ = two.backward_buffers()
         qc = two.qg_d[col]
         z = Z[col, :K]
-        Pa = None
-        if partial is not None:
-            Pa = partial.reshape(-1, d).to(acc)
-            z = torch.cat((z, zp.unsqueeze(0)))
-        p = torch.softmax(z, dim=0)
-        do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
-        dz = _logit_grads(p, do, Va, Pa)
-        DZ[col, :K] = dz[:K]
+        Pa = None if partial is None else partial.reshape(-1, d).to(acc)
         dV = bank.grad(acc)[:K].view(K, -1, d)
-        dV.addcmul_(p[:K].unsqueeze(-1), do)
-        dpartial = None
-        if Pa is not None:  # the running partial sum's own logit (read by this consumer only)
-            dpartial, a = _partial_grad(do, p[K], dz[K], rp, zp, qc, Pa)
+        fused = None
+        if dout is not None and native is not None and SourceBank.enabled():  # softmax, logit grads, dV, dP
+            fused = native.agg_backward(z, Va, Pa, qc, rp, zp, dout.reshape(-1, d).to(acc).contiguous(), DZ[col, :K],
+                                        dV)
+        if fused is not None:
+            dpartial, a = fused
+        else:
+            if Pa is not None:
+                z = torch.cat((z, zp.unsqueeze(0)))
+            p = torch.softmax(z, dim=0)
+            do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
+            dz = _logit_grads(p, do, Va, Pa)
+            DZ[col, :K] = dz[:K]
+            dV.addcmul_(p[:K].unsqueeze(-1), do)
+            if Pa is not None:  # the running partial sum's own logit (read by this consumer only)
+                dpartial, a = _partial_grad(do, p[K], dz[K], rp, zp, qc, Pa)
+        if Pa is not None:
             dpartial = dpartial.to(partial.dtype).view_as(partial)
             DQ[col].addmv_(Pa.t(), a)
+        else:
+            dpartial = None
         if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
             rf = r.reshape(K, -1)[fresh:]
             dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
@@ -393,11 +419,9 @@ class _DepthAggregate(torch.autograd.Function):
         K, d = V.shape[0], V.shape[-1]
         acc = _acc_dtype(V.dtype)
         qg = query.to(acc) if key_weight is None else query.to(acc) * key_weight.to(acc)
-        Pa = rp = zp = None
-        if partial is not None:
-            Pa, rp, zp = _partial_logit(partial, qg, eps)
-        _, p, Va = _agg_softmax(qg, V.reshape(K, -1, d), r.reshape(K, -1), zp)
-        out = _weighted_sum(p, Va, Pa)
+        Va = V.reshape(K, -1, d)
+        Va = Va if Va.dtype == acc else Va.to(acc)
+        out, p, rp, zp = _aggregate(_slot_logits(qg, Va, r.reshape(K, -1)), Va, partial, qg.contiguous(), eps)
         fresh = 0 if bank is None else bank.fresh
         return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, bank, fresh, out, p)
 

@@ -4,7 +4,8 @@
 merge with the sequence softmax and the weighted sum of the depth values, and its backward, reading each bank once
 per direction (eager PyTorch streams them four to five times per step, through per-token batched products at a
 fraction of the memory bandwidth); HC / mHC's stream mixing, its backward and the write's backward, one pass per
-token, and mHC's Sinkhorn with its backward (``stream_mix.c``). ``hf_depth.models.depth_ops`` calls them on CPU
+token, and mHC's Sinkhorn with its backward (``stream_mix.c``); AttnRes' depth softmax and weighted sum over the
+sources, and their backward, one pass per token (``attnres_agg.c``). ``hf_depth.models.depth_ops`` calls them on CPU
 for fp32; the eager forms stay the reference and the fallback (tests compare both).
 
 The C source ships with the package and is compiled on first use with the system C compiler (``$CC``, else
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = ("moda_depth.c", "stream_mix.c")
+SOURCES = ("moda_depth.c", "stream_mix.c", "attnres_agg.c")
 #: included by the sources (part of the build key: a change rebuilds)
 HEADERS = ("common.h",)
 #: the native ops, by what they serve
@@ -45,7 +46,9 @@ OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (de
        "hc_route": "dynamic HC's whole routing (1/rms, projection, gates, mixing) and its backward, per token "
                    "(design_hc.HCConnection.fused_route / fused_rebuild / fused_backward)",
        "mhc_route": "mHC's routing after its projection (gates, Sinkhorn, mixing) and its backward up to the "
-                    "projection's products (design_mhc.MHCConnection.fused_route / fused_rebuild / fused_backward)"}
+                    "projection's products (design_mhc.MHCConnection.fused_route / fused_rebuild / fused_backward)",
+       "attnres_agg": "AttnRes' depth softmax over the sources (and the running partial sum) and its weighted sum, and "
+                      "their backward, per token (depth_ops._TwoPhaseAggregate, _DepthAggregate)"}
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c99")
 _ARCH = ("-march=native",)
 
@@ -155,10 +158,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, F, F, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
+    lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
+    lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, P, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd,
-               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd):
+               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_agg_fwd, lib.hfd_agg_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -647,3 +652,60 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
         return None
     red = reds.sum(0).float()
     return dH, dQ, red[:C], red[C:]
+
+
+# --------------------------------------------------------------------------- AttnRes' depth softmax (attnres_agg.c)
+#: fewest tokens per thread of the aggregation kernels
+_AGG_MIN_TOKENS = 32
+
+
+def _agg_inputs(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: torch.Tensor):
+    """The library, if the aggregation kernels take these: fp32 CPU logits z [K, N] (tokens contiguous), sources
+    V [K, N, d] (rows contiguous), the partial sum P [N, d] contiguous or None, the query qg [d] contiguous."""
+    lib = library()
+    if lib is None or V.dim() != 3 or z.dim() != 2:
+        return None
+    K, N, d = V.shape
+    ok = (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (z, V, qg, *(() if P is None else (P,))))
+          and z.shape == (K, N) and z.stride(1) == 1 and V.stride(2) == 1 and V.stride(1) == d
+          and qg.shape == (d,) and qg.is_contiguous() and K >= 1
+          and (P is None or (P.shape == (N, d) and P.is_contiguous())))
+    return lib if ok else None
+
+
+def agg_forward(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: torch.Tensor, eps: float):
+    """AttnRes' depth softmax per token (``attnres_agg.c``): given the stable sources' logits z [K, N] and V
+    [K, N, d] (and the running partial sum P [N, d], whose logit r_P qg . P it forms, r_P = 1 / rms(P) with
+    ``eps``), returns (out [N, d] = sum_k p_k V_k (+ p_K P), p [N, S] (token-major, S = K (+ 1)), r_P [N], z_P [N];
+    these two None without P). The eager ``_agg_softmax`` and ``_weighted_sum`` to fp32 rounding. None when the
+    kernel does not take these tensors."""
+    lib = _agg_inputs(z, V, P, qg)
+    if lib is None:
+        return None
+    K, N, d = V.shape
+    out, p = torch.empty(N, d, dtype=torch.float32), torch.empty(N, K + (P is not None), dtype=torch.float32)
+    rp, zp = (None, None) if P is None else (torch.empty(N, dtype=torch.float32) for _ in range(2))
+    args = (_ptr(z), z.stride(0), _ptr(V), V.stride(0), K, _ptr(P), _ptr(qg), eps, _ptr(out), _ptr(p), _ptr(rp),
+            _ptr(zp), d)
+    _parallel(lambda lo, hi: lib.hfd_agg_fwd(*args, lo, hi), N, _AGG_MIN_TOKENS)
+    return out, p, rp, zp
+
+
+def agg_backward(z, V, P, qg, rp, zp, dout, DZ, dV):
+    """The backward of ``agg_forward`` (its softmax recomputed from z and the saved z_P), given the output
+    gradient dout [N, d]: writes the stable logits' gradients into DZ [K, N] (tokens contiguous), adds p_k dout
+    into the gradient accumulator dV [K, N, d] (rows contiguous) and returns (dP [N, d], a [N] = dz_P r_P) for the
+    partial sum (the caller adds a's part of the query gradient, a sum over tokens), (None, None) without one. None
+    when the kernel does not take these tensors (nothing written)."""
+    lib = _agg_inputs(z, V, P, qg)
+    K, N, d = V.shape
+    if (lib is None or dout.shape != (N, d) or not dout.is_contiguous() or dout.dtype != torch.float32
+            or DZ.shape != (K, N) or DZ.stride(1) != 1 or dV.shape != (K, N, d) or dV.stride(2) != 1
+            or dV.stride(1) != d or DZ.dtype != torch.float32 or dV.dtype != torch.float32
+            or (P is not None and not (rp.is_contiguous() and zp.is_contiguous() and rp.shape == zp.shape == (N,)))):
+        return None
+    dP, a = (None, None) if P is None else (torch.empty(N, d, dtype=torch.float32), torch.empty(N, dtype=torch.float32))
+    args = (_ptr(z), z.stride(0), _ptr(V), V.stride(0), K, _ptr(P), _ptr(qg), _ptr(rp), _ptr(zp), _ptr(dout),
+            _ptr(DZ), DZ.stride(0), _ptr(dV), dV.stride(0), _ptr(dP), _ptr(a), d)
+    _parallel(lambda lo, hi: lib.hfd_agg_bwd(*args, lo, hi), N, _AGG_MIN_TOKENS)
+    return dP, a
