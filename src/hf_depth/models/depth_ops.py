@@ -911,6 +911,17 @@ def _sum_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == like.dim() else t.flatten(0, t.dim() - like.dim() - 1).sum(0)
 
 
+def _own_params(conn) -> list:
+    """(name, parameter) of a connection's own parameters, as ``named_parameters(recurse=False)`` lists them, by a
+    walk of its parameter dict (two per sublayer and step: the module-tree generator costs more than the walk)."""
+    seen, out = set(), []
+    for name, p in conn._parameters.items():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
 class _Segment:
     def __init__(self, start: int):
         self.start = start
@@ -1026,14 +1037,14 @@ class _Route(torch.autograd.Function):
     @staticmethod
     def param_grads(conn, dH, grads: dict):
         """``backward``'s outputs from dH and the {name: gradient} of the connection's parameters."""
-        out = [(grads.get(name), p) for name, p in conn.named_parameters(recurse=False)]
+        out = [(grads.get(name), p) for name, p in _own_params(conn)]
         return (None, None, dH, *(None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in out))
 
     @staticmethod
     def replay(ctx, dx, dmixed, dw):
         Hd, outs = ctx.seg.graph(ctx.s)
         conn = ctx.seg.routes[ctx.s][1]
-        params = list(conn.parameters(recurse=False))
+        params = [p for _, p in _own_params(conn)]
         wanted = [Hd] + [p for p in params if p.requires_grad]
         pairs = [(o, g) for o, g in zip(outs, (dx, dmixed, dw)) if g is not None and o.requires_grad]
         grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
@@ -1086,7 +1097,7 @@ def stream_route(conn, s: int, H: torch.Tensor):
     forward's ops, the same values as training; a decoding step, ``torch.compile`` and the Triton path run
     ``conn.route``."""
     if SourceBank.enabled() and torch.is_grad_enabled():
-        x, mixed, w = _Route.apply(conn, s, H, *conn.parameters(recurse=False))
+        x, mixed, w = _Route.apply(conn, s, H, *(p for _, p in _own_params(conn)))
         seen, conn._seen_raw = conn._seen_raw, None
         return x, mixed, w, seen
     with torch.autocast(device_type=H.device.type, enabled=False):

@@ -239,8 +239,9 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         x, mixed, write_weights, seen = stream_route(self, self.sublayer_idx, state)
         if not torch.compiler.is_compiling():
             # last-seen weights (per token [B, T, ...] where input-dependent), for diagnostics only
-            # (no detach under no_grad, e.g. decoding: those tensors have no graph to cut, and a detach is one op each)
-            self._seen = {k: v.detach() for k, v in seen.items()} if torch.is_grad_enabled() else dict(seen)
+            # (a detach only where there is a graph to cut: the CPU path forms them inside its autograd Function, and
+            # decoding runs without grad; a detach is one op each)
+            self._seen = {k: v.detach() if v.requires_grad else v for k, v in seen.items()}
         return (x if norm is None else norm(x)), (mixed, write_weights)
 
     def write(self, state: torch.Tensor, out: torch.Tensor, carry) -> torch.Tensor:

@@ -151,13 +151,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_stream_write_bwd.argtypes = [P, N, N, P, N, N, P, N, P, P, N, N, N, N]
     lib.hfd_sinkhorn.argtypes = [P, N, N, N, P, N, N, N, N]
     lib.hfd_sinkhorn_bwd.argtypes = [P, N, N, N, P, P, N, N, N, N]
-    lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, F, F, F, P, P, P, P, P, P, N, N, N, N]
-    lib.hfd_hc_gates.argtypes = [P, P, P, F, F, P, P, N, N, N]
-    lib.hfd_hc_rebuild.argtypes = [P, N, N, P, P, P, F, F, P, N, N, P, N, P, N, N, N, N]
+    lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, P, P, F, P, P, P, P, P, P, N, N, N, N]
+    lib.hfd_hc_gates.argtypes = [P, P, P, P, P, P, P, N, N, N]
+    lib.hfd_hc_rebuild.argtypes = [P, N, N, P, P, P, P, P, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_stream_mix_write.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
-    lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, F, F, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
+    lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
     lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, P, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
@@ -329,6 +329,15 @@ def _token_rows(t: torch.Tensor | None, rows: int, width: int):
     return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1))
 
 
+def _vec_rows(t: torch.Tensor | None, width: int):
+    """``_token_rows(t.unsqueeze(-2), 1, width)`` of per-token vectors ``t`` [..., width], without the view for a
+    contiguous ``t`` (the common case)."""
+    if (t is not None and t.dim() > 1 and t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
+            and t.shape[-1] == width):
+        return t, width if t.numel() > width else 0, width
+    return None if t is None else _token_rows(t.unsqueeze(-2), 1, width)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` [..., a, b] as a [tokens, a, b] view, or None where its strides allow no view."""
     try:
@@ -399,8 +408,8 @@ def stream_write_backward(w: torch.Tensor, dH: torch.Tensor, y: torch.Tensor):
     (dy [..., d], dw [tokens, n]). None when the kernel does not take these tensors."""
     lib = library()
     n, d = dH.shape[-2], dH.shape[-1]
-    g, yt = _token_rows(dH, n, d), _token_rows(y.unsqueeze(-2), 1, d)
-    wt = _token_rows(w.unsqueeze(-2), 1, n) if w.dim() > 1 else (w, 0, 0) if w.dtype == torch.float32 else None
+    g, yt = _token_rows(dH, n, d), _vec_rows(y, d)
+    wt = _vec_rows(w, n) if w.dim() > 1 else (w, 0, 0) if w.dtype == torch.float32 else None
     if lib is None or None in (g, yt, wt) or y.shape[:-1] != dH.shape[:-2] or w.stride(-1) != 1 and n > 1:
         return None
     tok = g[0].shape[0]
@@ -463,13 +472,23 @@ MAX_HC_STREAMS = 8
 HC_SUM_BLOCK = 64
 
 
+def _f32(t) -> torch.Tensor:
+    """``t`` as an fp32 contiguous CPU tensor for a kernel's pointer: itself when it is one (no op), else a copy (a
+    Python number: a one-element tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return torch.tensor([float(t)], dtype=torch.float32)
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.detach().float().contiguous()
+
+
 def _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n: int, d: int):
-    """(WT, sa, sb) fp32 contiguous (WT None: not needed) and the two gate scales as floats, or None for shapes the
-    kernels do not take."""
+    """(WT, sa, sb, alpha_scale, beta_scale), fp32 contiguous (WT None: not needed; the two gate scales one element
+    each, read by the kernels through their pointers), or None for shapes the kernels do not take."""
     if (WT is not None and WT.shape != (n + 2, d)) or static_alpha.shape != (n, n + 1) or static_beta.shape != (n,):
         return None
-    f32 = (static_alpha.detach().float().contiguous(), static_beta.detach().float().contiguous())
-    return (None if WT is None else WT.float().contiguous(), *f32, float(alpha_scale), float(beta_scale))
+    scales = (_f32(alpha_scale), _f32(beta_scale))
+    if any(t.numel() != 1 for t in scales):
+        return None
+    return (None if WT is None else _f32(WT), _f32(static_alpha), _f32(static_beta), *scales)
 
 
 def _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale):
@@ -495,7 +514,7 @@ def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha
     n, d, lead, tok = H.shape[-2], H.shape[-1], H.shape[:-2], h[0].shape[0]
     x, mixed, A, beta, r, P = (torch.empty(*lead, *shape, dtype=torch.float32)
                                for shape in ((d,), (n, d), (n, n + 1), (n,), (n, 1), (n, n + 2)))
-    args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm[:3]), *prm[3:], eps,
+    args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm), eps,
             *(_ptr(t) for t in (x, mixed, A, beta, r, P)), n, d)
     _parallel(lambda lo, hi: lib.hfd_hc_route(*args, lo, hi), tok)
     return x, mixed, A, beta, r, P
@@ -510,7 +529,7 @@ def hc_mixing(P: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scal
     if lib is None or prm is None or P.dtype != torch.float32 or not P.is_contiguous() or n > MAX_HC_STREAMS:
         return None
     M, beta = torch.empty(*P.shape[:-2], n + 1, n, dtype=torch.float32), torch.empty(P.shape[:-1], dtype=torch.float32)
-    args = (_ptr(P), *(_ptr(t) for t in prm[1:3]), *prm[3:], _ptr(M), _ptr(beta), n)
+    args = (_ptr(P), *(_ptr(t) for t in prm[1:]), _ptr(M), _ptr(beta), n)
     _parallel(lambda lo, hi: lib.hfd_hc_gates(*args, lo, hi), P[..., 0, 0].numel())
     return M, beta
 
@@ -521,15 +540,15 @@ def hc_rebuild(H: torch.Tensor, P: torch.Tensor, static_alpha, static_beta, alph
     forward's streams, bit for bit, in one pass per token. None when the kernel does not take these tensors."""
     lib = library()
     n, d = H.shape[-2], H.shape[-1]
-    h, yt = _token_rows(H, n, d), _token_rows(y.unsqueeze(-2), 1, d)
-    wt = _token_rows(w.unsqueeze(-2), 1, n)
+    h, yt = _token_rows(H, n, d), _vec_rows(y, d)
+    wt = _vec_rows(w, n)
     prm = _hc_params(None, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
     if (lib is None or None in (h, yt, wt, prm) or n > MAX_HC_STREAMS or P.dtype != torch.float32
             or not P.is_contiguous() or P.shape != (*H.shape[:-2], n, n + 2) or y.shape[:-1] != H.shape[:-2]
             or w.shape != H.shape[:-1]):
         return None
     out = torch.empty(H.shape, dtype=torch.float32)
-    args = (_ptr(h[0]), h[1], h[2], _ptr(P), *(_ptr(t) for t in prm[1:3]), *prm[3:], _ptr(wt[0]), wt[1],
+    args = (_ptr(h[0]), h[1], h[2], _ptr(P), *(_ptr(t) for t in prm[1:]), _ptr(wt[0]), wt[1],
             w.stride(-1), _ptr(yt[0]), yt[1], _ptr(out), n, d)
     _parallel(lambda lo, hi: lib.hfd_hc_rebuild(*args, lo, hi), h[0].shape[0])
     return out
@@ -545,9 +564,9 @@ def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale,
         return None
     lib, h, prm = got
     n, d = H.shape[-2], H.shape[-1]
-    a = _token_rows(dx.unsqueeze(-2), 1, d) or _token_rows(dx.contiguous().unsqueeze(-2), 1, d)
+    a = _vec_rows(dx, d) or _vec_rows(dx.contiguous(), d)
     b = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
-    db = dbeta.float().contiguous()
+    db = _f32(dbeta)
     if a is None or b is None or not (r.is_contiguous() and P.is_contiguous()):
         return None
     tok = h[0].shape[0]
@@ -555,7 +574,7 @@ def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale,
     dH = torch.empty(H.shape, dtype=torch.float32)
     dWT = torch.zeros(blocks, n + 2, d, dtype=torch.float32)
     red = torch.zeros(blocks, n * (n + 1) + n + 2, dtype=torch.float64)
-    args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm[:3]), *prm[3:], _ptr(r), _ptr(P), _ptr(a[0]), a[1],
+    args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm), _ptr(r), _ptr(P), _ptr(a[0]), a[1],
             _ptr(b[0]), b[1], b[2], _ptr(db), _ptr(dH), _ptr(dWT), _ptr(red), HC_SUM_BLOCK, n, d)
     _parallel(lambda lo, hi: lib.hfd_hc_route_bwd(*args, lo * HC_SUM_BLOCK, min(hi * HC_SUM_BLOCK, tok)), blocks, 1)
     red = red.sum(0).float()
@@ -574,7 +593,7 @@ def stream_mix_write(M: torch.Tensor, H: torch.Tensor, w: torch.Tensor, y: torch
     write form it (bit for bit). None when the kernel does not take these tensors."""
     lib = library()
     n, d = H.shape[-2], H.shape[-1]
-    h, yt, wt = _token_rows(H, n, d), _token_rows(y.unsqueeze(-2), 1, d), _token_rows(w.unsqueeze(-2), 1, n)
+    h, yt, wt = _token_rows(H, n, d), _vec_rows(y, d), _vec_rows(w, n)
     mm = _matrices(M, H.shape[:-2])
     if (lib is None or None in (h, yt, wt, mm) or M.shape[-2:] != (n + 1, n) or y.shape[:-1] != H.shape[:-2]
             or w.shape != H.shape[:-1]):
@@ -596,7 +615,7 @@ def _mhc_inputs(H, proj, bias, alpha, iters):
             or proj.shape != (*H.shape[:-2], C) or not proj.is_contiguous() or bias.shape != (C,)
             or alpha.shape != (3,)):
         return None
-    return lib, h, proj, bias.detach().float().contiguous(), alpha.detach().float().contiguous()
+    return lib, h, proj, _f32(bias), _f32(alpha)
 
 
 def mhc_route(H: torch.Tensor, proj: torch.Tensor, bias, alpha, tanh: bool, columns_first: bool, iters: int,
@@ -633,7 +652,7 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     lib, h, proj, b, a = got
     n, d = H.shape[-2], H.shape[-1]
     C = n * n + 2 * n
-    ga = _token_rows(dx.unsqueeze(-2), 1, d) or _token_rows(dx.contiguous().unsqueeze(-2), 1, d)
+    ga = _vec_rows(dx, d) or _vec_rows(dx.contiguous(), d)
     gb = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
     if (ga is None or gb is None or not (r.is_contiguous() and M.is_contiguous()) or r.dtype != torch.float32
             or M.dtype != torch.float32 or M.shape != (*H.shape[:-2], n + 1, n)):
@@ -642,7 +661,7 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     blocks = -(-tok // HC_SUM_BLOCK)
     dH, dQ = torch.empty(H.shape, dtype=torch.float32), torch.empty(tok, C, dtype=torch.float32)
     reds = torch.zeros(blocks, C + 3, dtype=torch.float64)
-    dp = dpost.float().contiguous()
+    dp = _f32(dpost)
     args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(r), _ptr(M), _ptr(b), _ptr(a), int(tanh), int(columns_first),
             iters, _ptr(ga[0]), ga[1], _ptr(gb[0]), gb[1], gb[2], _ptr(dp), _ptr(dH), _ptr(dQ), _ptr(reds),
             HC_SUM_BLOCK, n, d)

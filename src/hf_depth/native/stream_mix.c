@@ -442,18 +442,20 @@ HC_INLINE void hc_route_body(int64_t n, const float *H, int64_t sht, int64_t shs
     }
 }
 
-int hfd_hc_route(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb, float as,
-                 float bs, float eps, float *x, float *mixed, float *A, float *beta, float *r, float *P, int64_t n,
+int hfd_hc_route(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb,
+                 const float *asp, const float *bsp, float eps, float *x, float *mixed, float *A, float *beta, float *r, float *P, int64_t n,
                  int64_t d, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2; /* the caller checks: never reached from Python */
+    const float as = *asp, bs = *bsp;
     HC_DISPATCH(hc_route_body, n, H, sht, shs, WT, sa, sb, as, bs, eps, x, mixed, A, beta, r, P, d, t0, t1);
     return 0;
 }
 
 /* the mixing matrices M = A^T [tok, n + 1, n] (and beta) from saved P, as hfd_hc_route formed them */
-int hfd_hc_gates(const float *P, const float *sa, const float *sb, float as, float bs, float *M, float *beta, int64_t n,
-                 int64_t t0, int64_t t1) {
+int hfd_hc_gates(const float *P, const float *sa, const float *sb, const float *asp, const float *bsp, float *M,
+                 float *beta, int64_t n, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2;
+    const float as = *asp, bs = *bsp;
     const int64_t c = n + 2;
     for (int64_t t = t0; t < t1; t++) {
         float T[HC_MAX_STREAMS * HC_MAX_COLS], A[HC_MAX_STREAMS * (HC_MAX_STREAMS + 1)];
@@ -479,10 +481,11 @@ static inline void sm_mix_write(float *out, const float *c, int64_t sci, int64_t
 /* the next sublayer's streams from the saved P, as the forward formed them: mixed_i = sum_s A[s, i + 1] H_s, then
  * H'_i = mixed_i + w_i y (one fused multiply-add per element, as ATen's in-place addcmul of the write); w [tok, n]
  * (swt, sws), y [tok, d] (syt), out [tok, n, d] contiguous */
-int hfd_hc_rebuild(const float *H, int64_t sht, int64_t shs, const float *P, const float *sa, const float *sb, float as,
-                   float bs, const float *w, int64_t swt, int64_t sws, const float *y, int64_t syt, float *out,
-                   int64_t n, int64_t d, int64_t t0, int64_t t1) {
+int hfd_hc_rebuild(const float *H, int64_t sht, int64_t shs, const float *P, const float *sa, const float *sb,
+                   const float *asp, const float *bsp, const float *w, int64_t swt, int64_t sws, const float *y,
+                   int64_t syt, float *out, int64_t n, int64_t d, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2;
+    const float as = *asp, bs = *bsp;
     for (int64_t t = t0; t < t1; t++) {
         float T[HC_MAX_STREAMS * HC_MAX_COLS], A[HC_MAX_STREAMS * (HC_MAX_STREAMS + 1)], beta[HC_MAX_STREAMS];
         hc_gates(P + t * n * (n + 2), sa, sb, as, bs, n, T, A, beta);
@@ -567,10 +570,11 @@ HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t
 }
 
 int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb,
-                     float as, float bs, const float *r, const float *P, const float *G0, int64_t sgt, const float *G1,
+                     const float *asp, const float *bsp, const float *r, const float *P, const float *G0, int64_t sgt, const float *G1,
                      int64_t sbt, int64_t sbr, const float *dbeta, float *dH, float *dWT, double *red, int64_t blk,
                      int64_t n, int64_t d, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2;
+    const float as = *asp, bs = *bsp;
     HC_DISPATCH(hc_route_bwd_body, n, H, sht, shs, WT, sa, sb, as, bs, r, P, G0, sgt, G1, sbt, sbr, dbeta, dH, dWT,
                 red, blk, d, t0, t1);
     return 0;
