@@ -440,7 +440,12 @@ def test_fused_hc_routing_declines_what_it_does_not_take(monkeypatch):
     H4 = torch.randn(2, 9, 4, 16)
     assert native.hc_route(H4.bfloat16(), WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8) is None
     assert native.hc_route(H4, WT[:5], sa[:4, :5], sb[:4], s, s, 1e-8) is None
-    assert native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8) is not None
+    assert native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], torch.ones(2), s, 1e-8) is None  # a scale of 2 values
+    got = native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8)
+    # the gate scales are read through their pointers: a Python number, a 1-element or a float64 tensor alike
+    for scale in (0.1, s.view(1), s.double()):
+        assert all(torch.equal(a, b) for a, b in zip(got, native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], scale, s,
+                                                                          1e-8)))
     calls = []
     real = native.hc_route
     monkeypatch.setattr(native, "hc_route", lambda *a: calls.append(1) or real(*a))

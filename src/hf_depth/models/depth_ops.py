@@ -155,6 +155,13 @@ def _rinv(v: torch.Tensor, eps: float) -> torch.Tensor:
     return inv_rms(v.to(_acc_dtype(v.dtype)), eps).squeeze(-1)
 
 
+def _native_ok() -> bool:
+    """Whether the native CPU kernels (``hf_depth.native``) may run here: the package is importable (a folder saved
+    for ``trust_remote_code`` has none) and ``torch.compile`` is not tracing (a ctypes call is opaque to it). Each
+    op still declines the tensors it does not take."""
+    return native is not None and SourceBank.enabled()
+
+
 # --------------------------------------------------------------------------------------------- AttnRes
 def _partial_logit(partial, qg, eps):
     """(P [N, d] in fp32, 1/rms(P) [N], z_P = r_P <qg, P> [N]) of the running partial sum; both [N] vectors are
@@ -231,7 +238,7 @@ def _aggregate(z, Va, partial, qg, eps):
     running partial sum (its logit formed here): (out [N, d], p [N, S] token-major, r_P, z_P). On CPU in fp32 the
     native kernel (``native.agg_forward``: one pass per token); else, or where it does not take the tensors, the
     eager form (the reference)."""
-    if native is not None and SourceBank.enabled():
+    if _native_ok():
         fused = native.agg_forward(z, Va, None if partial is None else partial.reshape(-1, Va.shape[-1]), qg, eps)
         if fused is not None:
             return fused
@@ -353,7 +360,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Va = V.reshape(K, -1, d)
         Va = Va if Va.dtype == acc else Va.to(acc)
         qc = two.qg_d[col]
-        z = two.z[col, :K] if two.z is not None else r.reshape(K, -1) * (Va.reshape(-1, d) @ qc).view(K, -1)
+        z = two.z[col, :K] if two.z is not None else _slot_logits(qc, Va, r.reshape(K, -1))
         out, p, rp, zp = _aggregate(z, Va, partial, qc, eps)
         if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
             two.z = None
@@ -374,12 +381,10 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         Pa = None if partial is None else partial.reshape(-1, d).to(acc)
         dV = bank.grad(acc)[:K].view(K, -1, d)
         fused = None
-        if dout is not None and native is not None and SourceBank.enabled():  # softmax, logit grads, dV, dP
+        if dout is not None and _native_ok():  # softmax, logit grads, dV and the partial's gradient in one pass
             fused = native.agg_backward(z, Va, Pa, qc, rp, zp, dout.reshape(-1, d).to(acc).contiguous(), DZ[col, :K],
                                         dV)
-        if fused is not None:
-            dpartial, a = fused
-        else:
+        if fused is None:
             if Pa is not None:
                 z = torch.cat((z, zp.unsqueeze(0)))
             p = torch.softmax(z, dim=0)
@@ -387,13 +392,12 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             dz = _logit_grads(p, do, Va, Pa)
             DZ[col, :K] = dz[:K]
             dV.addcmul_(p[:K].unsqueeze(-1), do)
-            if Pa is not None:  # the running partial sum's own logit (read by this consumer only)
-                dpartial, a = _partial_grad(do, p[K], dz[K], rp, zp, qc, Pa)
+            # the running partial sum's own logit (read by this consumer only)
+            fused = (None, None) if Pa is None else _partial_grad(do, p[K], dz[K], rp, zp, qc, Pa)
+        dpartial, a = fused
         if Pa is not None:
             dpartial = dpartial.to(partial.dtype).view_as(partial)
             DQ[col].addmv_(Pa.t(), a)
-        else:
-            dpartial = None
         if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
             rf = r.reshape(K, -1)[fresh:]
             dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
@@ -686,7 +690,7 @@ def _live(depth_mask, n: int):
 def _native(q, dk, dv, o, lse, live) -> bool:
     """Whether the native CPU kernel (``hf_depth.native``) runs MoDA's depth part for these tensors (never under
     ``torch.compile``: a ctypes call is opaque to it, the eager form's ops trace)."""
-    return (live is not False and native is not None and SourceBank.enabled()
+    return (live is not False and _native_ok()
             and q.dtype == torch.float32 and native.library() is not None
             and native.moda_depth_supported(q, dk, dv, o, lse, live))
 
@@ -884,8 +888,7 @@ def _native_streams(H: torch.Tensor) -> bool:
     and its backward; each still returns None for tensors it does not take, and the eager form runs): streams of a
     training shape, where ``mix_streams`` runs its one-pass form (the kernel's rows equal it bit for bit; below,
     the batched product's other rounding stays), never under ``torch.compile``."""
-    return (native is not None and H.numel() >= _ONE_PASS_MIN and SourceBank.enabled()
-            and native.library() is not None)
+    return _native_ok() and H.numel() >= _ONE_PASS_MIN and native.library() is not None
 
 
 def native_stream_op(H: torch.Tensor, op: str, *args):

@@ -314,9 +314,11 @@ def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------- HC / mHC stream mixing (stream_mix.c)
-def _token_rows(t: torch.Tensor | None, rows: int, width: int):
+def _token_rows(t: torch.Tensor | None, rows: int, width: int, copy: bool = False):
     """(tensor, token stride, row stride) of ``t`` [..., rows, width] read as [tokens, rows, width] without a copy
-    (fp32 CPU, the last dim contiguous), else None."""
+    (fp32 CPU, the last dim contiguous), else None; ``copy``: a contiguous copy where the strides allow no view."""
+    if copy:
+        return _token_rows(t, rows, width) or (None if t is None else _token_rows(t.contiguous(), rows, width))
     if t is None or t.dtype != torch.float32 or t.device.type != "cpu" or t.shape[-2:] != (rows, width):
         return None
     if t.dim() == 2:
@@ -329,9 +331,11 @@ def _token_rows(t: torch.Tensor | None, rows: int, width: int):
     return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1))
 
 
-def _vec_rows(t: torch.Tensor | None, width: int):
-    """``_token_rows(t.unsqueeze(-2), 1, width)`` of per-token vectors ``t`` [..., width], without the view for a
-    contiguous ``t`` (the common case)."""
+def _vec_rows(t: torch.Tensor | None, width: int, copy: bool = False):
+    """``_token_rows(t.unsqueeze(-2), 1, width, copy)`` of per-token vectors ``t`` [..., width], without the view for
+    a contiguous ``t`` (the common case)."""
+    if copy:
+        return _vec_rows(t, width) or (None if t is None else _vec_rows(t.contiguous(), width))
     if (t is not None and t.dim() > 1 and t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
             and t.shape[-1] == width):
         return t, width if t.numel() > width else 0, width
@@ -564,8 +568,7 @@ def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale,
         return None
     lib, h, prm = got
     n, d = H.shape[-2], H.shape[-1]
-    a = _vec_rows(dx, d) or _vec_rows(dx.contiguous(), d)
-    b = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
+    a, b = _vec_rows(dx, d, copy=True), _token_rows(dmixed, n, d, copy=True)
     db = _f32(dbeta)
     if a is None or b is None or not (r.is_contiguous() and P.is_contiguous()):
         return None
@@ -652,8 +655,7 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     lib, h, proj, b, a = got
     n, d = H.shape[-2], H.shape[-1]
     C = n * n + 2 * n
-    ga = _vec_rows(dx, d) or _vec_rows(dx.contiguous(), d)
-    gb = _token_rows(dmixed, n, d) or _token_rows(dmixed.contiguous(), n, d)
+    ga, gb = _vec_rows(dx, d, copy=True), _token_rows(dmixed, n, d, copy=True)
     if (ga is None or gb is None or not (r.is_contiguous() and M.is_contiguous()) or r.dtype != torch.float32
             or M.dtype != torch.float32 or M.shape != (*H.shape[:-2], n + 1, n)):
         return None
