@@ -402,7 +402,8 @@ def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
     a_scale, b_scale, eps = torch.tensor(0.3), torch.tensor(-0.2), 1e-8
     leaves = [t.double().requires_grad_() for t in (H, WT, sa, sb, a_scale, b_scale)]
     ref = _hc_reference(*leaves, eps)
-    got = native.hc_route(H, WT, sa, sb, a_scale, b_scale, eps)
+    Wa, wb = WT[:-1].T.contiguous(), WT[-1]  # the parameters as HCConnection holds them: W_a [d, n + 1], w_b [d]
+    got = native.hc_route(H, Wa, wb, sa, sb, a_scale, b_scale, eps)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a.double(), b.detach(), rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
     x, mixed, A, beta, r, P = got
@@ -416,7 +417,7 @@ def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
     assert native.hc_rebuild(H, P, sa, sb, a_scale, b_scale, beta, y.bfloat16()) is None
     dx, dmixed, dbeta = (torch.randn(t.shape, generator=g) for t in (x, mixed, beta))
     want = torch.autograd.grad(ref[:4], leaves, (dx.double(), dmixed.double(), torch.zeros_like(ref[2]), dbeta.double()))
-    out = native.hc_route_backward(H, WT, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
+    out = native.hc_route_backward(H, Wa, wb, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
     dH, dWT, dsa, dsb, das, dbs = out
     for name, a, b in zip(("H", "WT", "static_alpha", "static_beta", "alpha_scale", "beta_scale"),
                           (dH, dWT, dsa, dsb, das, dbs), want):
@@ -424,9 +425,9 @@ def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        again = native.hc_route_backward(H, WT, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
+        again = native.hc_route_backward(H, Wa, wb, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
         assert all(torch.equal(a, b) for a, b in zip(out, again))
-        assert all(torch.equal(a, b) for a, b in zip(got, native.hc_route(H, WT, sa, sb, a_scale, b_scale, eps)))
+        assert all(torch.equal(a, b) for a, b in zip(got, native.hc_route(H, Wa, wb, sa, sb, a_scale, b_scale, eps)))
     finally:
         torch.set_num_threads(before)
 
@@ -435,17 +436,20 @@ def test_fused_hc_routing_declines_what_it_does_not_take(monkeypatch):
     """More streams than the kernel's buffers, half precision, mismatched weights: None (the caller's eager steps
     run). In a model, static HC and ``hc_stream_mixing=False`` keep the by-hand steps; dynamic HC fuses."""
     H = torch.randn(2, 9, 9, 16)
-    WT, sa, sb, s = torch.randn(11, 16), torch.randn(9, 10), torch.randn(9), torch.tensor(0.1)
-    assert native.hc_route(H, WT, sa, sb, s, s, 1e-8) is None  # n = 9 > MAX_HC_STREAMS
-    H4 = torch.randn(2, 9, 4, 16)
-    assert native.hc_route(H4.bfloat16(), WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8) is None
-    assert native.hc_route(H4, WT[:5], sa[:4, :5], sb[:4], s, s, 1e-8) is None
-    assert native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], torch.ones(2), s, 1e-8) is None  # a scale of 2 values
-    got = native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], s, s, 1e-8)
-    # the gate scales are read through their pointers: a Python number, a 1-element or a float64 tensor alike
-    for scale in (0.1, s.view(1), s.double()):
-        assert all(torch.equal(a, b) for a, b in zip(got, native.hc_route(H4, WT[:6], sa[:4, :5], sb[:4], scale, s,
-                                                                          1e-8)))
+    Wa, wb, sa, sb, s = torch.randn(16, 10), torch.randn(16), torch.randn(9, 10), torch.randn(9), torch.tensor(0.1)
+    assert native.hc_route(H, Wa, wb, sa, sb, s, s, 1e-8) is None  # n = 9 > MAX_HC_STREAMS
+    H4, Wa = torch.randn(2, 9, 4, 16), Wa[:, :5].contiguous()
+    assert native.hc_route(H4.bfloat16(), Wa, wb, sa[:4, :5], sb[:4], s, s, 1e-8) is None
+    assert native.hc_route(H4, Wa[:, :4], wb, sa[:4, :5], sb[:4], s, s, 1e-8) is None  # W_a of n columns, not n + 1
+    assert native.hc_route(H4, Wa, wb[:15], sa[:4, :5], sb[:4], s, s, 1e-8) is None
+    assert native.hc_route(H4, Wa, wb, sa[:4, :5], sb[:4], torch.ones(2), s, 1e-8) is None  # a scale of 2 values
+    got = native.hc_route(H4, Wa, wb, sa[:4, :5], sb[:4], s, s, 1e-8)
+    # the gate scales are read through their pointers: a Python number, a 1-element or a float64 tensor alike; a
+    # non-contiguous or float64 W_a is read from an fp32 contiguous copy
+    for args in ((Wa, wb, 0.1, s), (Wa, wb, s.view(1), s), (Wa, wb, s.double(), s), (Wa.T.contiguous().T, wb, s, s),
+                 (Wa.double(), wb, s, s)):
+        assert all(torch.equal(a, b) for a, b in zip(got, native.hc_route(H4, args[0], args[1], sa[:4, :5], sb[:4],
+                                                                          *args[2:], 1e-8)))
     calls = []
     real = native.hc_route
     monkeypatch.setattr(native, "hc_route", lambda *a: calls.append(1) or real(*a))

@@ -37,6 +37,7 @@ try:  # the native CPU kernels; a folder saved for trust_remote_code has no such
 except ImportError:
     native = None
 from .functional import (
+    _as,
     _ONE_PASS_MIN,
     _acc_dtype,
     _masked_scores,
@@ -878,6 +879,18 @@ SEGMENT = 4
 _SEG_ATTR = "_hf_depth_segment"
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # False: no autocast on, for any device
+
+
+def _outside_autocast(x: torch.Tensor, fn, *args):
+    """``fn(*args)`` with autocast off for ``x``'s device; called directly where no autocast is on (entering an autocast
+    context costs ~30 us on a cold cache, once per sublayer and op on the CPU path). Outside ``torch.compile`` only."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return fn(*args)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return fn(*args)
+
+
 def _tokens(t: torch.Tensor) -> torch.Tensor:
     """``t`` [..., r, c] as [tokens, r, c] (a view where the layout allows)."""
     return t.reshape(-1, *t.shape[-2:])
@@ -885,10 +898,11 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
 
 def _native_streams(H: torch.Tensor) -> bool:
     """Whether HC / mHC's CPU path may run the native stream kernels on streams like ``H`` (``native.stream_mix``
-    and its backward; each still returns None for tensors it does not take, and the eager form runs): streams of a
-    training shape, where ``mix_streams`` runs its one-pass form (the kernel's rows equal it bit for bit; below,
-    the batched product's other rounding stays), never under ``torch.compile``."""
-    return _native_ok() and H.numel() >= _ONE_PASS_MIN and native.library() is not None
+    and its backward; each still returns None for tensors it does not take, or where the library is switched off or
+    unavailable, and the eager form runs): streams of a training shape, where ``mix_streams`` runs its one-pass form
+    (the kernel's rows equal it bit for bit; below, the batched product's other rounding stays), never under
+    ``torch.compile``."""
+    return _native_ok() and H.numel() >= _ONE_PASS_MIN
 
 
 def native_stream_op(H: torch.Tensor, op: str, *args):
@@ -992,21 +1006,26 @@ class _Route(torch.autograd.Function):
             seg.routes[s] = (weakref.ref(ctx), conn)
         ctx.seg, ctx.s, ctx.n_params = seg, s, len(params)
         ctx.by_hand = not dispatch.use_triton(H)
-        with torch.autocast(device_type=H.device.type, enabled=False):
-            fused = conn.fused_route(H) if ctx.by_hand and _native_streams(H) else None
-            ctx.fused = fused is not None
-            if fused is not None:  # the routing and the mixing in one native pass
-                x, mixed, w, seen, saved = fused
-                ctx.save_for_backward(*((H,) if start else ()), *saved)
-            elif ctx.by_hand:
-                M, w, seen, saved = conn.routing_saved(H)
-                x, mixed = _read_and_mix(M, H)
-                ctx.save_for_backward(*((H,) if start else ()), *saved)
-            else:
-                x, mixed, w, seen = conn.route(H)
-                ctx.save_for_backward(*((H,) if start else ()))
-        conn._seen_raw = seen
+        x, mixed, w, seen = _outside_autocast(H, _Route.route, ctx, conn, H, start)
+        conn.__dict__["_seen_raw"] = seen  # a plain attribute (nn.Module.__setattr__ costs more, per sublayer)
         return x, mixed, w
+
+    @staticmethod
+    def route(ctx, conn, H, start: bool):
+        """(x, mixed, w, seen) of ``forward``, saving H (at a segment start) and what the backward rebuilds from."""
+        fused = conn.fused_route(H) if ctx.by_hand and _native_streams(H) else None
+        ctx.fused = fused is not None
+        if fused is not None:  # the routing and the mixing in one native pass
+            x, mixed, w, seen, saved = fused
+            ctx.save_for_backward(*((H,) if start else ()), *saved)
+        elif ctx.by_hand:
+            M, w, seen, saved = conn.routing_saved(H)
+            x, mixed = _read_and_mix(M, H)
+            ctx.save_for_backward(*((H,) if start else ()), *saved)
+        else:
+            x, mixed, w, seen = conn.route(H)
+            ctx.save_for_backward(*((H,) if start else ()))
+        return x, mixed, w, seen
 
     @staticmethod
     def backward(ctx, dx, dmixed, dw):
@@ -1016,8 +1035,8 @@ class _Route(torch.autograd.Function):
         conn = ctx.seg.routes[ctx.s][1]
         if ctx.s == ctx.seg.start:
             ctx.seg.local.clear()
-        dx = torch.zeros_like(H[..., 0, :]) if dx is None else dx.to(H.dtype)
-        dmixed = torch.zeros_like(H) if dmixed is None else dmixed.to(H.dtype)
+        dx = torch.zeros_like(H[..., 0, :]) if dx is None else _as(dx, H.dtype)
+        dmixed = torch.zeros_like(H) if dmixed is None else _as(dmixed, H.dtype)
         if dw is None:
             dw = torch.zeros(H.shape[:-1], dtype=torch.float32, device=H.device)
         fused = conn.fused_backward(H, saved, dx, dmixed, dw) if ctx.fused else None
@@ -1041,7 +1060,7 @@ class _Route(torch.autograd.Function):
     def param_grads(conn, dH, grads: dict):
         """``backward``'s outputs from dH and the {name: gradient} of the connection's parameters."""
         out = [(grads.get(name), p) for name, p in _own_params(conn)]
-        return (None, None, dH, *(None if g is None or not p.requires_grad else g.to(p.dtype) for g, p in out))
+        return (None, None, dH, *(None if g is None or not p.requires_grad else _as(g, p.dtype) for g, p in out))
 
     @staticmethod
     def replay(ctx, dx, dmixed, dw):
@@ -1066,13 +1085,12 @@ class _Write(torch.autograd.Function):
             seg.writes[s] = weakref.ref(ctx)
         ctx.save_for_backward(w, y)
         ctx.mixed_dtype, ctx.seg, ctx.s = mixed.dtype, seg, s
-        with torch.autocast(device_type=mixed.device.type, enabled=False):
-            if dispatch.use_triton(mixed):
-                return conn.depth(mixed, w, y)
-            # the CPU path writes into the mixed streams (``_Route``'s own output, saved by nobody): ``depth``'s
-            # arithmetic without a fresh stream-sized output
-            ctx.mark_dirty(mixed)
-            return write_streams(mixed, w, y, inplace=True)
+        if dispatch.use_triton(mixed):
+            return _outside_autocast(mixed, conn.depth, mixed, w, y)
+        # the CPU path writes into the mixed streams (``_Route``'s own output, saved by nobody): ``depth``'s
+        # arithmetic without a fresh stream-sized output
+        ctx.mark_dirty(mixed)
+        return _outside_autocast(mixed, write_streams, mixed, w, y, True)
 
     @staticmethod
     def backward(ctx, dH):
@@ -1101,7 +1119,7 @@ def stream_route(conn, s: int, H: torch.Tensor):
     ``conn.route``."""
     if SourceBank.enabled() and torch.is_grad_enabled():
         x, mixed, w = _Route.apply(conn, s, H, *(p for _, p in _own_params(conn)))
-        seen, conn._seen_raw = conn._seen_raw, None
+        seen = conn.__dict__.pop("_seen_raw")
         return x, mixed, w, seen
     with torch.autocast(device_type=H.device.type, enabled=False):
         if not _eager(H) or H.numel() < _ONE_PASS_MIN:

@@ -165,7 +165,8 @@ class DepthAggregation(nn.Module):
         if self.scale_by_sources:  # K * mean at zero queries: the plain sum of the sources (attnres_scale_by_sources)
             out = out * len(sources)
         # token-averaged, for diagnostics (p is marked non-differentiable: a detach only where it is not)
-        self._last_weights = (p.detach() if p.requires_grad else p).flatten(0, -2).mean(0).float()
+        # (a plain attribute: nn.Module.__setattr__ costs more, per sublayer)
+        self.__dict__["_last_weights"] = (p.detach() if p.requires_grad else p).flatten(0, -2).mean(0).float()
         return out
 
     def path_weights(self) -> dict[str, torch.Tensor] | None:

@@ -182,7 +182,7 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
     def __init__(self, config, sublayer_idx: int):
         super().__init__(config, sublayer_idx)
         self.n = config.num_streams
-        self._seen: dict[str, torch.Tensor] | None = None
+        self._seen = None  # the last forward's routing weights: a dict, or a function of no argument returning one
 
     @abc.abstractmethod
     def route(self, H: torch.Tensor):
@@ -213,7 +213,8 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
     # native kernels; None: the steps above run):
     def fused_route(self, H: torch.Tensor):
         """(x, mixed, w, seen, saved) of streams H in one pass (``saved``: what ``fused_mixing`` and
-        ``fused_backward`` take), or None."""
+        ``fused_backward`` take; ``seen``: the routing's dict, or a function of no argument returning it, formed
+        when a diagnostic asks), or None."""
         return None
 
     def fused_mixing(self, H: torch.Tensor, saved: tuple) -> torch.Tensor:
@@ -238,10 +239,13 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         # saved for backward: H at segment starts, y and the write weights per sublayer (depth_ops.stream_route)
         x, mixed, write_weights, seen = stream_route(self, self.sublayer_idx, state)
         if not torch.compiler.is_compiling():
-            # last-seen weights (per token [B, T, ...] where input-dependent), for diagnostics only
-            # (a detach only where there is a graph to cut: the CPU path forms them inside its autograd Function, and
+            # last-seen weights (per token [B, T, ...] where input-dependent), for diagnostics only: the fused routing
+            # hands a function that forms them from its outputs when asked (no per-sublayer views); a dict is
+            # detached where there is a graph to cut (the CPU path forms them inside its autograd Function, and
             # decoding runs without grad; a detach is one op each)
-            self._seen = {k: v.detach() if v.requires_grad else v for k, v in seen.items()}
+            # (a plain attribute: nn.Module.__setattr__ costs more, per sublayer)
+            self.__dict__["_seen"] = seen if callable(seen) else {k: v.detach() if v.requires_grad else v
+                                                                  for k, v in seen.items()}
         return (x if norm is None else norm(x)), (mixed, write_weights)
 
     def write(self, state: torch.Tensor, out: torch.Tensor, carry) -> torch.Tensor:
@@ -263,12 +267,12 @@ class MultiStreamConnection(SublayerConnection, abc.ABC):
         ``read``/``mix``/``write`` the same weights per token (``[B, T, ...]``; static where input-independent).
         """
         out = {f"static_{k}": v for k, v in self.static_weights().items()}
-        if self._seen is not None:
-            out.update({k: _token_mean(v, 2 if k == "res" else 1).float() for k, v in self._seen.items()})
+        seen = self._seen() if callable(self._seen) else self._seen
+        if seen is not None:
+            out.update({k: _token_mean(v, 2 if k == "res" else 1).float() for k, v in seen.items()})
             # the same weights per token, as the canonical transport (``diagnostics.paths``): products of mixing
             # matrices are formed token by token (Figure 10's effective rank), not from token means
-            out.update({"read": self._seen["pre"].float(), "mix": self._seen["res"].float(),
-                        "write": self._seen["post"].float()})
+            out.update({"read": seen["pre"].float(), "mix": seen["res"].float(), "write": seen["post"].float()})
         return out
 
     def parameter_roles(self) -> dict[str, str]:
@@ -401,11 +405,11 @@ class HCConnection(MultiStreamConnection):
     def fused_route(self, H):
         if not (self.dynamic and self.stream_mixing):
             return None
-        out = native_stream_op(H, "hc_route", H, self._projection(), *self._gate_params(), self.eps)
+        out = native_stream_op(H, "hc_route", H, self.dynamic_alpha, self.dynamic_beta, *self._gate_params(), self.eps)
         if out is None:
             return None
         x, mixed, A, beta, r, P = out
-        return x, mixed, beta, self._seen_of(A, beta), (r, P)
+        return x, mixed, beta, lambda: self._seen_of(A, beta), (r, P)
 
     def fused_mixing(self, H, saved):
         return native_stream_op(H, "hc_mixing", saved[1], *self._gate_params())[0]
@@ -414,8 +418,8 @@ class HCConnection(MultiStreamConnection):
         return native_stream_op(H, "hc_rebuild", H, saved[1], *self._gate_params(), w, y)
 
     def fused_backward(self, H, saved, dx, dmixed, dw):
-        out = native_stream_op(H, "hc_route_backward", H, self._projection(), *self._gate_params(), *saved, dx,
-                               dmixed, dw)
+        out = native_stream_op(H, "hc_route_backward", H, self.dynamic_alpha, self.dynamic_beta, *self._gate_params(),
+                               *saved, dx, dmixed, dw)
         if out is None:
             return None
         dH, dWT, dsa, dsb, das, dbs = out

@@ -219,7 +219,7 @@ class MHCConnection(MultiStreamConnection):
         if out is None:
             return None
         x, mixed, M, post, r = out
-        return x, mixed, post, {"pre": M[..., 0, :], "res": M[..., 1:, :], "post": post}, (r, proj, M)
+        return x, mixed, post, lambda: {"pre": M[..., 0, :], "res": M[..., 1:, :], "post": post}, (r, proj, M)
 
     def fused_rebuild(self, H, saved, w, y):
         return native_stream_op(H, "stream_mix_write", saved[2], H, w, y)

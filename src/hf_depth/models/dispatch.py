@@ -22,8 +22,26 @@ _KERNELS = None
 _KERNELS_ERROR = None  # why ``hf_depth.kernels`` could not be imported (e.g. Triton absent), for kernel_report()
 
 
+_ENV_KEYS: dict = {}  # variable name -> its key in os.environ's own mapping
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """``os.environ.get(name, default)``, read on every call (a change takes effect at once) but without the
+    ``KeyError`` that ``os.environ.get`` raises and catches for an unset variable, the common case: the look-up goes
+    to ``os.environ``'s own mapping where it has one (CPython's ``os._Environ``), else to ``os.environ.get``. Hot
+    paths (every op's dispatch, every native kernel call) ask."""
+    data, codec = getattr(os.environ, "_data", None), getattr(os.environ, "decodevalue", None)
+    if data is None or codec is None:
+        return os.environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    raw = data.get(key)
+    return default if raw is None else codec(raw)
+
+
 def mode() -> str:
-    m = os.environ.get("HF_DEPTH_KERNELS", "auto").strip().lower() or "auto"
+    m = env("HF_DEPTH_KERNELS", "auto").strip().lower() or "auto"
     if m not in MODES:
         raise ValueError(f"`HF_DEPTH_KERNELS` must be one of {list(MODES)}, got {m!r}")
     return m
@@ -43,11 +61,12 @@ def _kernels():
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton path serves tensors like ``x`` now."""
+    if not x.is_cuda and env("HF_DEPTH_KERNELS") is None:  # CPU tensors under the default mode: no parsing
+        return False
     m = mode()
     if m == "torch":
         return False
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    ok = x.is_cuda or (m == "triton" and interpret)
+    ok = x.is_cuda or (m == "triton" and env("TRITON_INTERPRET") == "1")
     if m == "triton":
         if not ok:
             raise RuntimeError("HF_DEPTH_KERNELS=triton needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
@@ -66,7 +85,7 @@ def op(name: str):
         if x is None:
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         # fast path: CPU tensors under the default mode never leave the reference (no env parsing, no import)
-        if x is not None and not x.is_cuda and os.environ.get("HF_DEPTH_KERNELS", "auto") == "auto":
+        if x is not None and not x.is_cuda and env("HF_DEPTH_KERNELS", "auto") == "auto":
             return ref(*args, **kwargs)
         if x is not None and use_triton(x):
             fn = getattr(_kernels(), name, None)

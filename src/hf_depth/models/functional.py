@@ -19,6 +19,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _FP32_ACC else torch.promote_types(dtype, torch.float32)
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, or ``x`` itself without a dispatcher call where it already has that dtype (per sublayer and
+    parameter in the hand-written backward passes)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """``x`` in its accumulation dtype (see ``_acc_dtype``); ``x`` itself, without a dispatcher call, when it is
     already in it (the routing calls this on every parameter and stream of every sublayer)."""

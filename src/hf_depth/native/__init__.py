@@ -63,13 +63,16 @@ NATIVE_VALUES = ("0", "1")
 
 
 _DECIDED: tuple = ()  # (HF_DEPTH_NATIVE, HF_DEPTH_KERNELS, enabled()) as last read: every native call asks
+_ENV = None  # hf_depth.models.dispatch.env, bound on the first call
 
 
 def enabled() -> bool:
     """Whether the environment allows the native path (it may still be unavailable: ``status()``). Raises
     ``ValueError`` naming the variable for a value of ``HF_DEPTH_NATIVE`` (or ``HF_DEPTH_KERNELS``) it does not know."""
-    global _DECIDED
-    raw = (os.environ.get("HF_DEPTH_NATIVE"), os.environ.get("HF_DEPTH_KERNELS"))
+    global _DECIDED, _ENV
+    if _ENV is None:
+        from hf_depth.models.dispatch import env as _ENV
+    raw = (_ENV("HF_DEPTH_NATIVE"), _ENV("HF_DEPTH_KERNELS"))
     if _DECIDED[:2] == raw:
         return _DECIDED[2]
     from hf_depth.models.dispatch import mode
@@ -151,13 +154,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_stream_write_bwd.argtypes = [P, N, N, P, N, N, P, N, P, P, N, N, N, N]
     lib.hfd_sinkhorn.argtypes = [P, N, N, N, P, N, N, N, N]
     lib.hfd_sinkhorn_bwd.argtypes = [P, N, N, N, P, P, N, N, N, N]
-    lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, P, P, F, P, P, P, P, P, P, N, N, N, N]
+    lib.hfd_hc_route.argtypes = [P, N, N, P, P, P, P, P, P, F, P, P, P, P, P, P, N, N, N, N]
     lib.hfd_hc_gates.argtypes = [P, P, P, P, P, P, P, N, N, N]
     lib.hfd_hc_rebuild.argtypes = [P, N, N, P, P, P, P, P, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_stream_mix_write.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
-    lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
+    lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
     lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, P, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
@@ -215,7 +218,8 @@ def _check(rc: int) -> None:
 
 
 def _ptr(t: torch.Tensor | None):
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
+    """A tensor's data pointer for a ``c_void_p`` argument (``argtypes`` convert the int; None: NULL)."""
+    return None if t is None else t.data_ptr()
 
 
 def _strides(t: torch.Tensor):
@@ -226,7 +230,7 @@ def moda_depth_supported(q, K, V, o, lse, live) -> bool:
     """Whether the native MoDA depth kernel takes these (fp32 CPU tensors in its layouts; see ``moda_depth.c``)."""
     B, H, T, hd = q.shape
     D, Hkv = K.shape[0], K.shape[2]
-    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, K, V, o, lse))
+    return (all(t.is_cpu and t.dtype == torch.float32 for t in (q, K, V, o, lse))
             and K.shape == V.shape == (D, B, Hkv, T, hd) and H % Hkv == 0 and K.stride(-1) == V.stride(-1) == 1
             and o.shape == (B, T, H, hd) and o.is_contiguous() and lse.shape == (B, H, T)
             and (live is None or (live.shape == (D,) and live.dtype == torch.uint8 and live.is_contiguous())))
@@ -275,7 +279,7 @@ class SlotGrads:
 
     def add(self, w: torch.Tensor, x: torch.Tensor) -> None:
         _, B, Hkv, T, hd = self.shape
-        if not (w.is_contiguous() and w.dtype == x.dtype == torch.float32 and w.device.type == x.device.type == "cpu"
+        if not (w.is_contiguous() and w.dtype == x.dtype == torch.float32 and w.is_cpu and x.is_cpu
                 and w.shape[1:] == x.shape[:3] and x.shape[0] == B and x.shape[2] == T and x.shape[3] == hd
                 and x.shape[1] % Hkv == 0 and (not self.keep or x.shape[1] == self.keep[0][1].shape[1])):
             raise ValueError(f"SlotGrads.add: weights [D, B, H, T] contiguous fp32 and x [B, H, T, hd] fp32 (the same H "
@@ -315,20 +319,22 @@ def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tenso
 
 # --------------------------------------------------------------------------- HC / mHC stream mixing (stream_mix.c)
 def _token_rows(t: torch.Tensor | None, rows: int, width: int, copy: bool = False):
-    """(tensor, token stride, row stride) of ``t`` [..., rows, width] read as [tokens, rows, width] without a copy
-    (fp32 CPU, the last dim contiguous), else None; ``copy``: a contiguous copy where the strides allow no view."""
+    """(tensor, token stride, row stride, tokens) of ``t`` [..., rows, width] read as [tokens, rows, width] without a
+    copy (fp32 CPU, the last dim contiguous), else None; ``copy``: a contiguous copy where the strides allow no view.
+    The tensor is the one whose data pointer the kernel reads: ``t`` itself where it is contiguous (no view op)."""
     if copy:
         return _token_rows(t, rows, width) or (None if t is None else _token_rows(t.contiguous(), rows, width))
-    if t is None or t.dtype != torch.float32 or t.device.type != "cpu" or t.shape[-2:] != (rows, width):
+    if t is None or t.dtype != torch.float32 or not t.is_cpu or t.shape[-2:] != (rows, width):
         return None
     if t.dim() == 2:
-        return (t, 0, t.stride(0)) if t.stride(-1) == 1 or width == 1 else None
-    if t.is_contiguous():  # the common case: a view by its shape alone
-        return t.view(-1, rows, width), rows * width if t.numel() > rows * width else 0, width
+        return (t, 0, t.stride(0), 1) if t.stride(-1) == 1 or width == 1 else None
+    if t.is_contiguous():  # the common case: strides by its shape alone
+        tok = t.numel() // (rows * width)
+        return t, rows * width if tok > 1 else 0, width, tok
     if t.stride(-1) != 1 and width > 1:
         return None
     flat = _flat(t)
-    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1))
+    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1), flat.shape[0])
 
 
 def _vec_rows(t: torch.Tensor | None, width: int, copy: bool = False):
@@ -336,9 +342,10 @@ def _vec_rows(t: torch.Tensor | None, width: int, copy: bool = False):
     a contiguous ``t`` (the common case)."""
     if copy:
         return _vec_rows(t, width) or (None if t is None else _vec_rows(t.contiguous(), width))
-    if (t is not None and t.dim() > 1 and t.is_contiguous() and t.dtype == torch.float32 and t.device.type == "cpu"
+    if (t is not None and t.dim() > 1 and t.is_contiguous() and t.dtype == torch.float32 and t.is_cpu
             and t.shape[-1] == width):
-        return t, width if t.numel() > width else 0, width
+        tok = t.numel() // width
+        return t, width if tok > 1 else 0, width, tok
     return None if t is None else _token_rows(t.unsqueeze(-2), 1, width)
 
 
@@ -351,14 +358,21 @@ def _flat(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _matrices(M: torch.Tensor, lead: torch.Size):
-    """(tensor, token, row and column strides) of the fp32 CPU matrices M [*lead, r, n] (any strides; or [r, n], one
-    for every token) read as [tokens, r, n] without a copy, else None."""
-    if M.dtype != torch.float32 or M.device.type != "cpu":
+    """(tensor, token, row and column strides, tokens) of the fp32 CPU matrices M [*lead, r, n] (any strides; or
+    [r, n], one for every token) read as [tokens, r, n] without a copy, else None."""
+    if M.dtype != torch.float32 or not M.is_cpu:
         return None
     if M.dim() == 2:
-        return M, 0, M.stride(0), M.stride(1)
-    flat = _flat(M) if M.shape[:-2] == lead else None
-    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1), flat.stride(2))
+        return M, 0, M.stride(0), M.stride(1), 1
+    if M.shape[:-2] != lead:
+        return None
+    r, n = M.shape[-2:]
+    if M.is_contiguous():  # no view op
+        tok = M.numel() // (r * n) if r * n else 0
+        return M, r * n if tok > 1 else 0, n, 1, tok
+    flat = _flat(M)
+    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1),
+                                      flat.stride(2), flat.shape[0])
 
 
 def stream_mix(M: torch.Tensor, H: torch.Tensor, split: int) -> tuple[torch.Tensor, ...] | None:
@@ -372,7 +386,7 @@ def stream_mix(M: torch.Tensor, H: torch.Tensor, split: int) -> tuple[torch.Tens
     m = _matrices(M, H.shape[:-2])
     if lib is None or h is None or m is None or M.shape[-1] != n:
         return None
-    lead, tok = H.shape[:-2], h[0].shape[0]
+    lead, tok = H.shape[:-2], h[3]
     if split:
         outs = (torch.empty(*lead, d, dtype=torch.float32), torch.empty(*lead, r - 1, d, dtype=torch.float32))
     else:
@@ -395,11 +409,11 @@ def stream_mix_backward(M: torch.Tensor, H: torch.Tensor, G0: torch.Tensor | Non
     r, n, d = M.shape[-2], H.shape[-2], H.shape[-1]
     r0 = 0 if G0 is None else G0.shape[-2]
     h, b = _token_rows(H, n, d), _token_rows(G1, r - r0, d)
-    a = (None, 0, 0) if G0 is None else _token_rows(G0, r0, d)
+    a = (None, 0, 0, 0) if G0 is None else _token_rows(G0, r0, d)
     m = _matrices(M, H.shape[:-2])
     if lib is None or None in (h, a, b, m) or M.shape[-1] != n or max(r, n) > MAX_STREAM_ROWS:
         return None
-    tok = h[0].shape[0]
+    tok = h[3]
     dM, dH = torch.empty(tok, r, n, dtype=torch.float32), torch.empty(H.shape, dtype=torch.float32)
     args = (_ptr(m[0]), m[1], m[2], m[3], _ptr(h[0]), h[1], h[2], _ptr(a[0]), a[1], a[2], _ptr(b[0]), b[1],
             b[2], _ptr(dM), _ptr(dH), r0, r, n, d)
@@ -413,10 +427,10 @@ def stream_write_backward(w: torch.Tensor, dH: torch.Tensor, y: torch.Tensor):
     lib = library()
     n, d = dH.shape[-2], dH.shape[-1]
     g, yt = _token_rows(dH, n, d), _vec_rows(y, d)
-    wt = _vec_rows(w, n) if w.dim() > 1 else (w, 0, 0) if w.dtype == torch.float32 else None
+    wt = _vec_rows(w, n) if w.dim() > 1 else (w, 0, 0, 1) if w.dtype == torch.float32 else None
     if lib is None or None in (g, yt, wt) or y.shape[:-1] != dH.shape[:-2] or w.stride(-1) != 1 and n > 1:
         return None
-    tok = g[0].shape[0]
+    tok = g[3]
     dy, dw = torch.empty(y.shape, dtype=torch.float32), torch.empty(tok, n, dtype=torch.float32)
     args = (_ptr(wt[0]), wt[1], w.stride(-1), _ptr(g[0]), g[1], g[2], _ptr(yt[0]), yt[1], _ptr(dy), _ptr(dw), n, d)
     _parallel(lambda lo, hi: lib.hfd_stream_write_bwd(*args, lo, hi), tok)
@@ -449,7 +463,7 @@ def sinkhorn(logits: torch.Tensor, iters: int) -> torch.Tensor | None:
     lib, m = library(), _logit_matrices(logits)
     if lib is None or m is None or logits.shape[-1] != logits.shape[-2] or iters < 1:
         return None
-    n, tok = logits.shape[-1], m[0].shape[0]
+    n, tok = logits.shape[-1], m[4]
     res = torch.empty(logits.shape, dtype=torch.float32)
     ok = _run_tokens(lambda lo, hi: lib.hfd_sinkhorn(_ptr(m[0]), m[1], m[2], m[3], _ptr(res), n, iters, lo, hi), tok)
     return res if ok else None
@@ -461,7 +475,7 @@ def sinkhorn_backward(dres: torch.Tensor, logits: torch.Tensor, iters: int) -> t
     lib, m = library(), _logit_matrices(logits)
     if lib is None or m is None or dres.shape != logits.shape or dres.dtype != torch.float32 or iters < 1:
         return None
-    n, tok = logits.shape[-1], m[0].shape[0]
+    n, tok = logits.shape[-1], m[4]
     g, dL = dres.contiguous(), torch.empty(logits.shape, dtype=torch.float32)
     ok = _run_tokens(lambda lo, hi: lib.hfd_sinkhorn_bwd(_ptr(m[0]), m[1], m[2], m[3], _ptr(g), _ptr(dL), n, iters,
                                                         lo, hi), tok)
@@ -484,38 +498,47 @@ def _f32(t) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.detach().float().contiguous()
 
 
-def _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n: int, d: int):
-    """(WT, sa, sb, alpha_scale, beta_scale), fp32 contiguous (WT None: not needed; the two gate scales one element
-    each, read by the kernels through their pointers), or None for shapes the kernels do not take."""
-    if (WT is not None and WT.shape != (n + 2, d)) or static_alpha.shape != (n, n + 1) or static_beta.shape != (n,):
+def _hc_params(W, static_alpha, static_beta, alpha_scale, beta_scale, n: int, d: int):
+    """(W_a, w_b, sa, sb, alpha_scale, beta_scale) for the projections W = (W_a [d, n + 1], w_b [d]) as the module holds
+    them (the kernels form [W_a | w_b]^T themselves), (sa, ..., beta_scale) for W None (not needed); fp32
+    contiguous, the two gate scales one element each (read through their pointers); or None for shapes the kernels
+    do not take."""
+    if static_alpha.shape != (n, n + 1) or static_beta.shape != (n,):
         return None
-    scales = (_f32(alpha_scale), _f32(beta_scale))
-    if any(t.numel() != 1 for t in scales):
+    gates = (_f32(static_alpha), _f32(static_beta), _f32(alpha_scale), _f32(beta_scale))
+    if gates[2].numel() != 1 or gates[3].numel() != 1:
         return None
-    return (None if WT is None else _f32(WT), _f32(static_alpha), _f32(static_beta), *scales)
+    if W is None:
+        return gates
+    if W[0].shape != (d, n + 1) or W[1].shape != (d,):
+        return None
+    return (_f32(W[0]), _f32(W[1]), *gates)
 
 
-def _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale):
+def _hc_inputs(H, W, static_alpha, static_beta, alpha_scale, beta_scale):
     """(library, H's token rows, ``_hc_params``) for the HC kernels, or None where they do not take these."""
     lib = library()
     n, d = H.shape[-2], H.shape[-1]
+    if lib is None or n > MAX_HC_STREAMS:
+        return None
     h = _token_rows(H, n, d)
-    prm = _hc_params(WT, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
-    return None if lib is None or h is None or prm is None or n > MAX_HC_STREAMS else (lib, h, prm)
+    prm = None if h is None else _hc_params(W, static_alpha, static_beta, alpha_scale, beta_scale, n, d)
+    return None if prm is None else (lib, h, prm)
 
 
-def hc_route(H: torch.Tensor, WT: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scale, eps: float):
+def hc_route(H: torch.Tensor, W_a: torch.Tensor, w_b: torch.Tensor, static_alpha, static_beta, alpha_scale,
+             beta_scale, eps: float):
     """Dynamic HC's routing of streams H [..., n, d] (fp32) in one pass per token (``stream_mix.c``): returns
     (x [..., d], mixed [..., n, d], A [..., n, n + 1], beta [..., n], r [..., n, 1], P [..., n, n + 2]) with
-    r = 1 / rms(H), P = (H WT^T) r for WT = [W_a | w_b]^T, A = static_alpha + alpha_scale tanh(P[..., :n + 1]),
+    r = 1 / rms(H), P = (H WT^T) r for WT = [W_a | w_b]^T (W_a [d, n + 1], w_b [d]), A = static_alpha + alpha_scale tanh(P[..., :n + 1]),
     beta = static_beta + beta_scale tanh(P[..., n + 1]), x = A[..., 0]^T H and mixed = A[..., 1:]^T H: the function
     of ``HCConnection.routing_saved`` and ``read_and_mix`` (to fp32 rounding; the mixing's rows formed as
     ``mix_streams`` forms them from A). None when the kernel does not take these tensors."""
-    got = _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale)
+    got = _hc_inputs(H, (W_a, w_b), static_alpha, static_beta, alpha_scale, beta_scale)
     if got is None:
         return None
     lib, h, prm = got
-    n, d, lead, tok = H.shape[-2], H.shape[-1], H.shape[:-2], h[0].shape[0]
+    n, d, lead, tok = H.shape[-2], H.shape[-1], H.shape[:-2], h[3]
     x, mixed, A, beta, r, P = (torch.empty(*lead, *shape, dtype=torch.float32)
                                for shape in ((d,), (n, d), (n, n + 1), (n,), (n, 1), (n, n + 2)))
     args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm), eps,
@@ -533,7 +556,7 @@ def hc_mixing(P: torch.Tensor, static_alpha, static_beta, alpha_scale, beta_scal
     if lib is None or prm is None or P.dtype != torch.float32 or not P.is_contiguous() or n > MAX_HC_STREAMS:
         return None
     M, beta = torch.empty(*P.shape[:-2], n + 1, n, dtype=torch.float32), torch.empty(P.shape[:-1], dtype=torch.float32)
-    args = (_ptr(P), *(_ptr(t) for t in prm[1:]), _ptr(M), _ptr(beta), n)
+    args = (_ptr(P), *(_ptr(t) for t in prm), _ptr(M), _ptr(beta), n)
     _parallel(lambda lo, hi: lib.hfd_hc_gates(*args, lo, hi), P[..., 0, 0].numel())
     return M, beta
 
@@ -552,18 +575,18 @@ def hc_rebuild(H: torch.Tensor, P: torch.Tensor, static_alpha, static_beta, alph
             or w.shape != H.shape[:-1]):
         return None
     out = torch.empty(H.shape, dtype=torch.float32)
-    args = (_ptr(h[0]), h[1], h[2], _ptr(P), *(_ptr(t) for t in prm[1:]), _ptr(wt[0]), wt[1],
+    args = (_ptr(h[0]), h[1], h[2], _ptr(P), *(_ptr(t) for t in prm), _ptr(wt[0]), wt[1],
             w.stride(-1), _ptr(yt[0]), yt[1], _ptr(out), n, d)
-    _parallel(lambda lo, hi: lib.hfd_hc_rebuild(*args, lo, hi), h[0].shape[0])
+    _parallel(lambda lo, hi: lib.hfd_hc_rebuild(*args, lo, hi), h[3])
     return out
 
 
-def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale, r, P, dx, dmixed, dbeta):
+def hc_route_backward(H, W_a, w_b, static_alpha, static_beta, alpha_scale, beta_scale, r, P, dx, dmixed, dbeta):
     """The backward of ``hc_route`` through its recomputed gates, one pass per token: (dH [H's shape], dWT [n + 2,
-    d], d static_alpha [n, n + 1], d static_beta [n], d alpha_scale, d beta_scale), fp32, given the gradients of x
+    d] (the gradient of [W_a | w_b]^T), d static_alpha [n, n + 1], d static_beta [n], d alpha_scale, d beta_scale), fp32, given the gradients of x
     (dx [..., d]), of mixed (dmixed [..., n, d]) and of beta (dbeta [..., n]) and the saved r, P (contiguous). None
     when the kernel does not take these tensors."""
-    got = _hc_inputs(H, WT, static_alpha, static_beta, alpha_scale, beta_scale)
+    got = _hc_inputs(H, (W_a, w_b), static_alpha, static_beta, alpha_scale, beta_scale)
     if got is None:
         return None
     lib, h, prm = got
@@ -572,7 +595,7 @@ def hc_route_backward(H, WT, static_alpha, static_beta, alpha_scale, beta_scale,
     db = _f32(dbeta)
     if a is None or b is None or not (r.is_contiguous() and P.is_contiguous()):
         return None
-    tok = h[0].shape[0]
+    tok = h[3]
     blocks = -(-tok // HC_SUM_BLOCK)
     dH = torch.empty(H.shape, dtype=torch.float32)
     dWT = torch.zeros(blocks, n + 2, d, dtype=torch.float32)
@@ -602,9 +625,9 @@ def stream_mix_write(M: torch.Tensor, H: torch.Tensor, w: torch.Tensor, y: torch
             or w.shape != H.shape[:-1]):
         return None
     out = torch.empty(H.shape, dtype=torch.float32)
-    args = (_ptr(mm[0]), *mm[1:], _ptr(h[0]), h[1], h[2], _ptr(wt[0]), wt[1], w.stride(-1), _ptr(yt[0]), yt[1],
+    args = (_ptr(mm[0]), *mm[1:4], _ptr(h[0]), h[1], h[2], _ptr(wt[0]), wt[1], w.stride(-1), _ptr(yt[0]), yt[1],
             _ptr(out), n, d)
-    _parallel(lambda lo, hi: lib.hfd_stream_mix_write(*args, lo, hi), h[0].shape[0])
+    _parallel(lambda lo, hi: lib.hfd_stream_mix_write(*args, lo, hi), h[3])
     return out
 
 
@@ -640,7 +663,7 @@ def mhc_route(H: torch.Tensor, proj: torch.Tensor, bias, alpha, tanh: bool, colu
                             for shape in ((d,), (n, d), (n + 1, n), (n,), (1,)))
     args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(r), eps, _ptr(b), _ptr(a), int(tanh), int(columns_first), iters,
             *(_ptr(t) for t in (x, mixed, M, post)), n, d)
-    ok = _run_tokens(lambda lo, hi: lib.hfd_mhc_route(*args, lo, hi), h[0].shape[0])
+    ok = _run_tokens(lambda lo, hi: lib.hfd_mhc_route(*args, lo, hi), h[3])
     return (x, mixed, M, post, r) if ok else None
 
 
@@ -659,7 +682,7 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     if (ga is None or gb is None or not (r.is_contiguous() and M.is_contiguous()) or r.dtype != torch.float32
             or M.dtype != torch.float32 or M.shape != (*H.shape[:-2], n + 1, n)):
         return None
-    tok = h[0].shape[0]
+    tok = h[3]
     blocks = -(-tok // HC_SUM_BLOCK)
     dH, dQ = torch.empty(H.shape, dtype=torch.float32), torch.empty(tok, C, dtype=torch.float32)
     reds = torch.zeros(blocks, C + 3, dtype=torch.float64)
@@ -680,6 +703,10 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
 _AGG_MIN_TOKENS = 32
 
 
+def _f32_cpu(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu
+
+
 def _agg_inputs(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: torch.Tensor):
     """The library, if the aggregation kernels take these: fp32 CPU logits z [K, N] (tokens contiguous), sources
     V [K, N, d] (rows contiguous), the partial sum P [N, d] contiguous or None, the query qg [d] contiguous."""
@@ -687,7 +714,7 @@ def _agg_inputs(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: to
     if lib is None or V.dim() != 3 or z.dim() != 2:
         return None
     K, N, d = V.shape
-    ok = (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (z, V, qg, *(() if P is None else (P,))))
+    ok = (_f32_cpu(z) and _f32_cpu(V) and _f32_cpu(qg) and (P is None or _f32_cpu(P))
           and z.shape == (K, N) and z.stride(1) == 1 and V.stride(2) == 1 and V.stride(1) == d
           and qg.shape == (d,) and qg.is_contiguous() and K >= 1
           and (P is None or (P.shape == (N, d) and P.is_contiguous())))

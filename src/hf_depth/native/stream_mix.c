@@ -310,7 +310,8 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
 }
 
 /* Dynamic HC's routing of one sublayer (design_hc.HCConnection, hc_dynamic and hc_stream_mixing), per token, all in
- * one pass over its n x d streams H (c = n + 2 projection columns, WT = [W_a | w_b]^T [c, d] contiguous):
+ * one pass over its n x d streams H (c = n + 2 projection columns, WT = [W_a | w_b]^T [c, d], built by hc_wt from
+ * the parameters W_a [d, n + 1] and w_b [d]):
  *   r_s = 1 / sqrt(mean(H_s^2) + eps),  P[s, j] = r_s (H_s . WT_j),  T = tanh(P)
  *   A[s, i] = sa[s, i] + as T[s, i] (i <= n),  beta_s = sb_s + bs T[s, n + 1]
  *   x = sum_s A[s, 0] H_s,  mixed_i = sum_s A[s, i + 1] H_s     (sm_combine: mix_streams' order and rounding)
@@ -442,12 +443,29 @@ HC_INLINE void hc_route_body(int64_t n, const float *H, int64_t sht, int64_t shs
     }
 }
 
-int hfd_hc_route(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb,
-                 const float *asp, const float *bsp, float eps, float *x, float *mixed, float *A, float *beta, float *r, float *P, int64_t n,
-                 int64_t d, int64_t t0, int64_t t1) {
+/* WT = [W_a | w_b]^T [n + 2, d] (the rows the kernels stream) from the parameters as the module holds them, W_a
+ * [d, n + 1] and w_b [d] (row-major), into a fresh buffer (NULL: out of memory): a few KiB per call, against a
+ * concatenation of two transposed parameters by the caller */
+static float *hc_wt(const float *Wa, const float *wb, int64_t n, int64_t d) {
+    const int64_t m = n + 1;
+    float *WT = malloc(sizeof(float) * (size_t)((m + 1) * d));
+    if (!WT) return NULL;
+    for (int64_t k = 0; k < d; k++) {
+        for (int64_t j = 0; j < m; j++) WT[j * d + k] = Wa[k * m + j];
+        WT[m * d + k] = wb[k];
+    }
+    return WT;
+}
+
+int hfd_hc_route(const float *H, int64_t sht, int64_t shs, const float *Wa, const float *wb, const float *sa,
+                 const float *sb, const float *asp, const float *bsp, float eps, float *x, float *mixed, float *A,
+                 float *beta, float *r, float *P, int64_t n, int64_t d, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2; /* the caller checks: never reached from Python */
+    float *WT = hc_wt(Wa, wb, n, d);
+    if (!WT) return 1;
     const float as = *asp, bs = *bsp;
     HC_DISPATCH(hc_route_body, n, H, sht, shs, WT, sa, sb, as, bs, eps, x, mixed, A, beta, r, P, d, t0, t1);
+    free(WT);
     return 0;
 }
 
@@ -569,14 +587,17 @@ HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t
     }
 }
 
-int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *WT, const float *sa, const float *sb,
-                     const float *asp, const float *bsp, const float *r, const float *P, const float *G0, int64_t sgt, const float *G1,
-                     int64_t sbt, int64_t sbr, const float *dbeta, float *dH, float *dWT, double *red, int64_t blk,
-                     int64_t n, int64_t d, int64_t t0, int64_t t1) {
+int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *Wa, const float *wb, const float *sa,
+                     const float *sb, const float *asp, const float *bsp, const float *r, const float *P,
+                     const float *G0, int64_t sgt, const float *G1, int64_t sbt, int64_t sbr, const float *dbeta,
+                     float *dH, float *dWT, double *red, int64_t blk, int64_t n, int64_t d, int64_t t0, int64_t t1) {
     if (n > HC_MAX_STREAMS) return 2;
+    float *WT = hc_wt(Wa, wb, n, d);
+    if (!WT) return 1;
     const float as = *asp, bs = *bsp;
     HC_DISPATCH(hc_route_bwd_body, n, H, sht, shs, WT, sa, sb, as, bs, r, P, G0, sgt, G1, sbt, sbr, dbeta, dH, dWT,
                 red, blk, d, t0, t1);
+    free(WT);
     return 0;
 }
 
