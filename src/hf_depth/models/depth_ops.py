@@ -37,9 +37,9 @@ try:  # the native CPU kernels; a folder saved for trust_remote_code has no such
 except ImportError:
     native = None
 from .functional import (
-    _as,
     _ONE_PASS_MIN,
     _acc_dtype,
+    _as,
     _masked_scores,
     depth_softmax,
     inv_rms,
