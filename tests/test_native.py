@@ -418,9 +418,11 @@ def test_fused_hc_routing_equals_the_equations(n, d, lead, broadcast):
     dx, dmixed, dbeta = (torch.randn(t.shape, generator=g) for t in (x, mixed, beta))
     want = torch.autograd.grad(ref[:4], leaves, (dx.double(), dmixed.double(), torch.zeros_like(ref[2]), dbeta.double()))
     out = native.hc_route_backward(H, Wa, wb, sa, sb, a_scale, b_scale, r, P, dx, dmixed, dbeta)
-    dH, dWT, dsa, dsb, das, dbs = out
-    for name, a, b in zip(("H", "WT", "static_alpha", "static_beta", "alpha_scale", "beta_scale"),
-                          (dH, dWT, dsa, dsb, das, dbs), want):
+    dH, dWa, dwb, dsa, dsb, das, dbs = out  # the projections' gradients laid out as the parameters
+    assert dWa.shape == Wa.shape and dwb.shape == wb.shape and das.shape == dbs.shape == a_scale.shape
+    want = (want[0], want[1][:-1].T, want[1][-1], *want[2:])
+    for name, a, b in zip(("H", "W_a", "w_b", "static_alpha", "static_beta", "alpha_scale", "beta_scale"),
+                          (dH, dWa, dwb, dsa, dsb, das, dbs), want):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()), msg=name)
     before = torch.get_num_threads()
     try:

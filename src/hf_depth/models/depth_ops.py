@@ -283,11 +283,13 @@ class TwoPhase:
         self.queries, self.key_weights = tuple(queries), tuple(key_weights)
         self.cols = {id(q): c for c, q in enumerate(self.queries)}
         self.qg, self.qg_d = qg, qg.detach()
+        self.qg_rows = self.qg_d.unbind(0)  # consumer c's query, a view each (one op per forward, not per sublayer)
         n = bank.data.shape[1:-1].numel()
         self.z_shape = (qg.shape[0], bank.data.shape[0], n)  # [C, capacity, N]: a consumer's column is contiguous
         self.z = torch.empty(self.z_shape, dtype=qg.dtype, device=qg.device)
+        self.z_rows = self.z.unbind(0)
         self.writes: list[tuple[int, int, int]] = []  # (first slot, end, writer column) of every write
-        self._task = None  # (graph task id, rebuilt logits, their gradients, the query gradient)
+        self._task = None  # (graph task id, rebuilt logits, their gradients, the query gradient, and their rows)
 
     def column(self, query, key_weight) -> int | None:
         """The consumer column of (query, key weight), or None if they are not the ones the logits were made with."""
@@ -313,8 +315,9 @@ class TwoPhase:
         self.writes.append((lo, hi, col))
         self.z[col:, lo:hi] = self.logits(lo, hi, col)
 
-    def backward_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(z rebuilt from the bank as in forward, zero logit gradients, zero ``qg`` gradient), once per graph task.
+    def backward_buffers(self) -> tuple:
+        """(z rebuilt from the bank as in forward, zero logit gradients, zero ``qg`` gradient, and the consumers' rows
+        of each of the three), once per graph task.
         Entries of a slot at columns before its writer's are never read (no earlier consumer reads it). Every
         consumer adds its part of the ``qg`` gradient in place; the first consumer, whose backward runs last (it
         writes slot 0, see ``SourceBank.grad``), returns the total: one gradient for autograd to pass on, not one
@@ -324,11 +327,15 @@ class TwoPhase:
             z = torch.empty(self.z_shape, dtype=self.qg_d.dtype, device=self.qg_d.device)
             for lo, hi, col in self.writes:
                 z[col:, lo:hi] = self.logits(lo, hi, col)
-            self._task = (task, z, torch.zeros_like(z), torch.zeros_like(self.qg_d))
+            bufs = (z, torch.zeros_like(z), torch.zeros_like(self.qg_d))
+            self._task = (task, *bufs, *(b.unbind(0) for b in bufs))
         return self._task[1:]
 
     def release(self) -> None:
         self._task = None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # parameter types whose rows the two-phase form stacks (not sharded)
 
 
 def attach_queries(holder: torch.Tensor, queries, key_weights) -> None:
@@ -340,10 +347,13 @@ def attach_queries(holder: torch.Tensor, queries, key_weights) -> None:
         return
     d, dev = holder.shape[-1], holder.device
     for t in (*queries, *(w for w in key_weights if w is not None)):
-        if type(t.data) is not torch.Tensor or t.shape != (d,) or t.device != dev:  # e.g. sharded parameters
+        if type(t) not in _PLAIN or t.shape != (d,) or t.device != dev:  # e.g. sharded parameters
             return
     acc = bank.rinv.dtype
-    qg = torch.stack([q.to(acc) if w is None else q.to(acc) * w.to(acc) for q, w in zip(queries, key_weights)])
+    if all(w is not None for w in key_weights):  # one product of the stacked rows (one backward node, not one each)
+        qg = _as(torch.stack(queries), acc) * _as(torch.stack(key_weights), acc)
+    else:
+        qg = torch.stack([_as(q, acc) if w is None else _as(q, acc) * _as(w, acc) for q, w in zip(queries, key_weights)])
     bank.two = TwoPhase(bank, queries, key_weights, qg)
 
 
@@ -360,11 +370,11 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             two.write(fresh, K, col)
         Va = V.reshape(K, -1, d)
         Va = Va if Va.dtype == acc else Va.to(acc)
-        qc = two.qg_d[col]
-        z = two.z[col, :K] if two.z is not None else _slot_logits(qc, Va, r.reshape(K, -1))
+        qc = two.qg_rows[col]
+        z = two.z_rows[col][:K] if two.z is not None else _slot_logits(qc, Va, r.reshape(K, -1))
         out, p, rp, zp = _aggregate(z, Va, partial, qc, eps)
         if col == len(two.queries) - 1:  # the last consumer has read them: not kept until backward
-            two.z = None
+            two.z = two.z_rows = None
         ctx.two, ctx.col = two, col
         return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, bank, fresh, out, p)
 
@@ -376,14 +386,14 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         acc = two.qg_d.dtype
         Va = V.reshape(K, -1, d)
         Va = Va if Va.dtype == acc else Va.to(acc)
-        Z, DZ, DQ = two.backward_buffers()
-        qc = two.qg_d[col]
-        z = Z[col, :K]
+        Z, DZ, DQ, Zr, DZr, DQr = two.backward_buffers()
+        qc = two.qg_rows[col]
+        z = Zr[col][:K]
         Pa = None if partial is None else partial.reshape(-1, d).to(acc)
         dV = bank.grad(acc)[:K].view(K, -1, d)
         fused = None
         if dout is not None and _native_ok():  # softmax, logit grads, dV and the partial's gradient in one pass
-            fused = native.agg_backward(z, Va, Pa, qc, rp, zp, dout.reshape(-1, d).to(acc).contiguous(), DZ[col, :K],
+            fused = native.agg_backward(z, Va, Pa, qc, rp, zp, dout.reshape(-1, d).to(acc).contiguous(), DZr[col][:K],
                                         dV)
         if fused is None:
             if Pa is not None:
@@ -391,14 +401,14 @@ class _TwoPhaseAggregate(torch.autograd.Function):
             p = torch.softmax(z, dim=0)
             do = torch.zeros_like(Va[0]) if dout is None else dout.reshape(-1, d).to(acc)
             dz = _logit_grads(p, do, Va, Pa)
-            DZ[col, :K] = dz[:K]
+            DZr[col][:K] = dz[:K]
             dV.addcmul_(p[:K].unsqueeze(-1), do)
             # the running partial sum's own logit (read by this consumer only)
             fused = (None, None) if Pa is None else _partial_grad(do, p[K], dz[K], rp, zp, qc, Pa)
         dpartial, a = fused
         if Pa is not None:
             dpartial = dpartial.to(partial.dtype).view_as(partial)
-            DQ[col].addmv_(Pa.t(), a)
+            DQr[col].addmv_(Pa.t(), a)
         if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
             rf = r.reshape(K, -1)[fresh:]
             dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
@@ -1098,7 +1108,7 @@ class _Write(torch.autograd.Function):
         w, y = seg.unpacked.pop(ctx.s) if seg is not None and ctx.s in seg.unpacked else ctx.saved_tensors
         both = native_stream_op(dH, "stream_write_backward", w, dH, y)
         if both is not None:  # one pass per token over dH: dy = w^T dH and dw = dH y together
-            return None, None, None, dH, both[1].view(dH.shape[:-1]), both[0]  # static w: autograd sums dw
+            return None, None, None, dH, both[1], both[0]  # static w: autograd sums dw
         wm = w.to(ctx.mixed_dtype).expand(dH.shape[:-1])  # static weights: [n], one for every token
         # per token: dy = w^T dH, a batched [1, n] @ [n, d] product; dw = dH y by a product and a sum (on CPU
         # several times faster than the batched [n, d] @ [d, 1] product)

@@ -422,8 +422,8 @@ class HCConnection(MultiStreamConnection):
                                *saved, dx, dmixed, dw)
         if out is None:
             return None
-        dH, dWT, dsa, dsb, das, dbs = out
-        return dH, {"static_alpha": dsa, "static_beta": dsb, "dynamic_alpha": dWT[:-1].T, "dynamic_beta": dWT[-1],
+        dH, dWa, dwb, dsa, dsb, das, dbs = out
+        return dH, {"static_alpha": dsa, "static_beta": dsb, "dynamic_alpha": dWa, "dynamic_beta": dwb,
                     "alpha_scale": das, "beta_scale": dbs}
 
     def depth(self, mixed, beta, out):

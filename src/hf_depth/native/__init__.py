@@ -161,11 +161,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
+    lib.hfd_hc_route_bwd_sums.argtypes = [P, P, N, N, N, P]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
     lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, P, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
-               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd,
+               lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
                lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_agg_fwd, lib.hfd_agg_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
@@ -423,7 +424,7 @@ def stream_mix_backward(M: torch.Tensor, H: torch.Tensor, G0: torch.Tensor | Non
 
 def stream_write_backward(w: torch.Tensor, dH: torch.Tensor, y: torch.Tensor):
     """The backward of H' = mixed + w y per token (w [..., n] or [n], y [..., d], dH [..., n, d], fp32):
-    (dy [..., d], dw [tokens, n]). None when the kernel does not take these tensors."""
+    (dy [..., d], dw [..., n], per token). None when the kernel does not take these tensors."""
     lib = library()
     n, d = dH.shape[-2], dH.shape[-1]
     g, yt = _token_rows(dH, n, d), _vec_rows(y, d)
@@ -431,7 +432,7 @@ def stream_write_backward(w: torch.Tensor, dH: torch.Tensor, y: torch.Tensor):
     if lib is None or None in (g, yt, wt) or y.shape[:-1] != dH.shape[:-2] or w.stride(-1) != 1 and n > 1:
         return None
     tok = g[3]
-    dy, dw = torch.empty(y.shape, dtype=torch.float32), torch.empty(tok, n, dtype=torch.float32)
+    dy, dw = torch.empty(y.shape, dtype=torch.float32), torch.empty(dH.shape[:-1], dtype=torch.float32)
     args = (_ptr(wt[0]), wt[1], w.stride(-1), _ptr(g[0]), g[1], g[2], _ptr(yt[0]), yt[1], _ptr(dy), _ptr(dw), n, d)
     _parallel(lambda lo, hi: lib.hfd_stream_write_bwd(*args, lo, hi), tok)
     return dy, dw
@@ -582,10 +583,12 @@ def hc_rebuild(H: torch.Tensor, P: torch.Tensor, static_alpha, static_beta, alph
 
 
 def hc_route_backward(H, W_a, w_b, static_alpha, static_beta, alpha_scale, beta_scale, r, P, dx, dmixed, dbeta):
-    """The backward of ``hc_route`` through its recomputed gates, one pass per token: (dH [H's shape], dWT [n + 2,
-    d] (the gradient of [W_a | w_b]^T), d static_alpha [n, n + 1], d static_beta [n], d alpha_scale, d beta_scale), fp32, given the gradients of x
-    (dx [..., d]), of mixed (dmixed [..., n, d]) and of beta (dbeta [..., n]) and the saved r, P (contiguous). None
-    when the kernel does not take these tensors."""
+    """The backward of ``hc_route`` through its recomputed gates, one pass per token: (dH [H's shape], d W_a [d,
+    n + 1], d w_b [d], d static_alpha [n, n + 1], d static_beta [n], d alpha_scale [], d beta_scale []), fp32, given the
+    gradients of x (dx [..., d]), of mixed (dmixed [..., n, d]) and of beta (dbeta [..., n]) and the saved r, P
+    (contiguous). The parameter gradients are sums over the tokens, in blocks of ``HC_SUM_BLOCK`` tokens summed in
+    block order (the thread count changes no bit), laid out as the parameters (views of one buffer). None when the
+    kernel does not take these tensors."""
     got = _hc_inputs(H, (W_a, w_b), static_alpha, static_beta, alpha_scale, beta_scale)
     if got is None:
         return None
@@ -603,9 +606,11 @@ def hc_route_backward(H, W_a, w_b, static_alpha, static_beta, alpha_scale, beta_
     args = (_ptr(h[0]), h[1], h[2], *(_ptr(t) for t in prm), _ptr(r), _ptr(P), _ptr(a[0]), a[1],
             _ptr(b[0]), b[1], b[2], _ptr(db), _ptr(dH), _ptr(dWT), _ptr(red), HC_SUM_BLOCK, n, d)
     _parallel(lambda lo, hi: lib.hfd_hc_route_bwd(*args, lo * HC_SUM_BLOCK, min(hi * HC_SUM_BLOCK, tok)), blocks, 1)
-    red = red.sum(0).float()
-    m = n * (n + 1)
-    return dH, dWT.sum(0), red[:m].view(n, n + 1), red[m:m + n], red[m + n], red[m + n + 1]
+    m = n + 1
+    out = torch.empty(d * m + d + n * m + n + 2, dtype=torch.float32)
+    _check(lib.hfd_hc_route_bwd_sums(_ptr(dWT), _ptr(red), blocks, n, d, _ptr(out)))
+    dWa, dwb, dsa, dsb, das, dbs = out.split((d * m, d, n * m, n, 1, 1))
+    return dH, dWa.view(d, m), dwb, dsa.view(n, m), dsb, das.view(()), dbs.view(())
 
 
 # --------------------------------------------------------------------------- mHC's routing (stream_mix.c)

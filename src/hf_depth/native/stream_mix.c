@@ -601,6 +601,28 @@ int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *Wa, 
     return 0;
 }
 
+/* The parameter gradients of hfd_hc_route_bwd from its per-block sums (dWTs [blocks, n + 2, d] float, reds [blocks,
+ * n (n + 1) + n + 2] double), summed over the blocks in block order (whatever the threads), into out, in the layouts of
+ * the parameters: d W_a [d, n + 1], d w_b [d], d static_alpha [n, n + 1], d static_beta [n], d alpha_scale,
+ * d beta_scale (the double sums rounded to float once). */
+int hfd_hc_route_bwd_sums(const float *dWTs, const double *reds, int64_t blocks, int64_t n, int64_t d, float *out) {
+    const int64_t m = n + 1, c = n + 2, nr = n * m + n + 2;
+    float *dWa = out, *dwb = out + d * m, *rest = dwb + d;
+    for (int64_t j = 0; j < c; j++)
+        for (int64_t k = 0; k < d; k++) {
+            float s = dWTs[j * d + k];
+            for (int64_t b = 1; b < blocks; b++) s += dWTs[(b * c + j) * d + k];
+            if (j < m) dWa[k * m + j] = s;
+            else dwb[k] = s;
+        }
+    for (int64_t e = 0; e < nr; e++) {
+        double s = reds[e];
+        for (int64_t b = 1; b < blocks; b++) s += reds[b * nr + e];
+        rest[e] = (float)s;
+    }
+    return 0;
+}
+
 /* the streams after a sublayer from its mixing matrices M [tok, n + 1, n] (rows 1..n mix; smt, smr, smc): the
  * segment rebuild of mHC (whose forward saves M) */
 int hfd_stream_mix_write(const float *M, int64_t smt, int64_t smr, int64_t smc, const float *H, int64_t sht,
