@@ -181,6 +181,24 @@ int hfd_stream_write_bwd(const float *w, int64_t swt, int64_t sws, const float *
 #define SK_RANGE 60.0f
 #define SK_LANES 16
 
+/* SK_LANES floats as one vector: every step of the iteration is one vector op per entry (element-wise, the same
+ * arithmetic and order per lane as a loop over the lanes; one AVX-512 register where the CPU has them) */
+typedef float sk_v __attribute__((vector_size(SK_LANES * sizeof(float))));
+
+static inline sk_v sk_splat(float x) {
+    sk_v v;
+    for (int l = 0; l < SK_LANES; l++) v[l] = x;
+    return v;
+}
+
+static inline sk_v sk_load(const float *p) {
+    sk_v v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void sk_store(float *p, sk_v v) { memcpy(p, &v, sizeof(v)); }
+
 /* tokens [t, t + nt) of L as lanes: P_0 into P, then the iterates (all of them into P when ``keep``, else two
  * alternating slots) and the normalizers into S [2 iters][n][lanes]; 1 if a token is out of range */
 static int sk_block(const float *L, int64_t slt, int64_t sli, int64_t slj, int64_t t, int64_t nt, int64_t n,
@@ -212,20 +230,13 @@ static int sk_block(const float *L, int64_t slt, int64_t sli, int64_t slj, int64
         float *B = P + (keep ? k + 1 : (k + 1) % 2) * nn * SK_LANES, *s = S + k * n * SK_LANES;
         const int64_t si = k % 2 == 0 ? n : 1, sj = k % 2 == 0 ? 1 : n; /* rows, then columns */
         for (int64_t i = 0; i < n; i++) {
-            float sum[SK_LANES], inv[SK_LANES];
-            for (int l = 0; l < SK_LANES; l++) sum[l] = 0.0f;
+            sk_v sum = sk_splat(0.0f);
+            for (int64_t j = 0; j < n; j++) sum += sk_load(A + (i * si + j * sj) * SK_LANES);
+            sk_store(s + i * SK_LANES, sum);
+            const sk_v inv = sk_splat(1.0f) / sum;
             for (int64_t j = 0; j < n; j++) {
-                const float *a = A + (i * si + j * sj) * SK_LANES;
-                for (int l = 0; l < SK_LANES; l++) sum[l] += a[l];
-            }
-            for (int l = 0; l < SK_LANES; l++) {
-                s[i * SK_LANES + l] = sum[l];
-                inv[l] = 1.0f / sum[l];
-            }
-            for (int64_t j = 0; j < n; j++) {
-                const float *a = A + (i * si + j * sj) * SK_LANES;
-                float *b = B + (i * si + j * sj) * SK_LANES;
-                for (int l = 0; l < SK_LANES; l++) b[l] = a[l] * inv[l];
+                const int64_t e = (i * si + j * sj) * SK_LANES;
+                sk_store(B + e, sk_load(A + e) * inv);
             }
         }
     }
@@ -240,16 +251,15 @@ static void sk_backward(const float *P, const float *S, float *G, int64_t n, int
         const float *Q = P + (k + 1) * nn * SK_LANES, *s = S + k * n * SK_LANES;
         const int64_t si = k % 2 == 0 ? n : 1, sj = k % 2 == 0 ? 1 : n;
         for (int64_t i = 0; i < n; i++) {
-            float dot[SK_LANES], inv[SK_LANES];
-            for (int l = 0; l < SK_LANES; l++) dot[l] = 0.0f;
+            sk_v dot = sk_splat(0.0f);
             for (int64_t j = 0; j < n; j++) {
-                const float *g = G + (i * si + j * sj) * SK_LANES, *q = Q + (i * si + j * sj) * SK_LANES;
-                for (int l = 0; l < SK_LANES; l++) dot[l] += g[l] * q[l];
+                const int64_t e = (i * si + j * sj) * SK_LANES;
+                dot += sk_load(G + e) * sk_load(Q + e);
             }
-            for (int l = 0; l < SK_LANES; l++) inv[l] = 1.0f / s[i * SK_LANES + l];
+            const sk_v inv = sk_splat(1.0f) / sk_load(s + i * SK_LANES);
             for (int64_t j = 0; j < n; j++) {
-                float *g = G + (i * si + j * sj) * SK_LANES;
-                for (int l = 0; l < SK_LANES; l++) g[l] = (g[l] - dot[l]) * inv[l];
+                const int64_t e = (i * si + j * sj) * SK_LANES;
+                sk_store(G + e, (sk_load(G + e) - dot) * inv);
             }
         }
     }
