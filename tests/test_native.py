@@ -182,6 +182,25 @@ def test_an_unknown_switch_value_is_refused_by_name(var, value, monkeypatch):
         native.enabled()
 
 
+def test_the_switches_are_read_on_every_call(monkeypatch):
+    """``dispatch.env`` (every op's dispatch and every native call read the switches through it) sees a change at
+    once, gives the default for an unset variable, and reads a replaced ``os.environ`` (a plain dict) as well."""
+    import os
+
+    from hf_depth.models import dispatch
+
+    monkeypatch.delenv("HF_DEPTH_NATIVE", raising=False)
+    assert dispatch.env("HF_DEPTH_NATIVE") is None and dispatch.env("HF_DEPTH_NATIVE", "1") == "1"
+    assert native.enabled() == (dispatch.mode() != "torch")
+    monkeypatch.setenv("HF_DEPTH_NATIVE", "0")
+    assert dispatch.env("HF_DEPTH_NATIVE") == "0" and not native.enabled() and native.library() is None
+    monkeypatch.setenv("HF_DEPTH_NATIVE", "1")
+    assert dispatch.env("HF_DEPTH_NATIVE", "x") == "1"
+    monkeypatch.setattr(os, "environ", {"HF_DEPTH_KERNELS": "torch"})
+    assert dispatch.env("HF_DEPTH_KERNELS") == "torch" and dispatch.mode() == "torch" and not native.enabled()
+    assert not dispatch.use_triton(torch.zeros(1))
+
+
 def test_the_kernel_report_says_whether_the_native_kernels_run(monkeypatch):
     from hf_depth.models import dispatch
 
@@ -343,6 +362,28 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
         monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
 
     _model_kernels_equal_eager(model, x, fused, to_eager, monkeypatch)
+
+
+@pytest.mark.parametrize("design", ["hc", "mhc"])
+def test_the_training_routing_runs_outside_autocast(design):
+    """Under bf16 autocast the CPU training path's routing (``depth_ops._Route``: the native kernels, mHC's projection
+    product) computes in fp32, the same bits as without autocast (the autocast context is entered only where one is
+    on: ``depth_ops._outside_autocast``)."""
+    from hf_depth.models.depth_ops import stream_route
+    from hf_depth.models.design_hc import MultiStreamConnection
+
+    model = tiny_model(design, num_hidden_layers=1)
+    conn = next(m for m in model.modules() if isinstance(m, MultiStreamConnection))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(3)
+        for p in conn.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
+    n, d = model.config.num_streams, model.config.hidden_size
+    H = torch.randn(8, 2048 // d * 8, n, d, generator=g).requires_grad_()  # a training shape: the native path
+    ref = stream_route(conn, 1, H)[:3]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = stream_route(conn, 1, H)[:3]
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_mhc_logits_out_of_the_kernels_range_take_the_log_domain_form(monkeypatch):

@@ -163,6 +163,18 @@ def _native_ok() -> bool:
     return native is not None and SourceBank.enabled()
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # False: no autocast on, for any device
+
+
+def _outside_autocast(x: torch.Tensor, fn, *args):
+    """``fn(*args)`` with autocast off for ``x``'s device; called directly where no autocast is on (entering an autocast
+    context costs ~30 us on a cold cache, once per sublayer and op on the CPU path). Outside ``torch.compile`` only."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+        return fn(*args)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        return fn(*args)
+
+
 # --------------------------------------------------------------------------------------------- AttnRes
 def _partial_logit(partial, qg, eps):
     """(P [N, d] in fp32, 1/rms(P) [N], z_P = r_P <qg, P> [N]) of the running partial sum; both [N] vectors are
@@ -860,8 +872,11 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
         else:
             banks = (kb, vb)
     fn = _MoDAFlash if _flash_exact(query, mask, depth_mask, len(depth)) else _MoDAAttention
-    with torch.autocast(query.device.type, enabled=False):
-        return fn.apply(query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
+    args = (query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
+    if SourceBank.enabled():  # eager: the autocast context only where one is on
+        return _outside_autocast(query, fn.apply, *args)
+    with torch.autocast(query.device.type, enabled=False):  # traced by torch.compile
+        return fn.apply(*args)
 
 
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -887,18 +902,6 @@ def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[
 
 SEGMENT = 4
 _SEG_ATTR = "_hf_depth_segment"
-
-
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # False: no autocast on, for any device
-
-
-def _outside_autocast(x: torch.Tensor, fn, *args):
-    """``fn(*args)`` with autocast off for ``x``'s device; called directly where no autocast is on (entering an autocast
-    context costs ~30 us on a cold cache, once per sublayer and op on the CPU path). Outside ``torch.compile`` only."""
-    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
-        return fn(*args)
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        return fn(*args)
 
 
 def _tokens(t: torch.Tensor) -> torch.Tensor:

@@ -609,7 +609,7 @@ def hc_route_backward(H, W_a, w_b, static_alpha, static_beta, alpha_scale, beta_
     m = n + 1
     out = torch.empty(d * m + d + n * m + n + 2, dtype=torch.float32)
     _check(lib.hfd_hc_route_bwd_sums(_ptr(dWT), _ptr(red), blocks, n, d, _ptr(out)))
-    dWa, dwb, dsa, dsb, das, dbs = out.split((d * m, d, n * m, n, 1, 1))
+    dWa, dwb, dsa, dsb, das, dbs = out.split_with_sizes((d * m, d, n * m, n, 1, 1))
     return dH, dWa.view(d, m), dwb, dsa.view(n, m), dsb, das.view(()), dbs.view(())
 
 
