@@ -386,6 +386,36 @@ def test_the_training_routing_runs_outside_autocast(design):
     assert all(a.dtype == torch.float32 and torch.equal(a, b) for a, b in zip(got, ref))
 
 
+@pytest.mark.parametrize("design", ["hc", "mhc"])
+def test_the_fused_routing_reports_the_weights_it_used(design, monkeypatch):
+    """After a training step on the native path, ``path_weights`` (formed from the fused routing's outputs when asked)
+    gives the routing weights of that step: the eager path's at fp32 rounding, per token and as token means."""
+    model = tiny_model(design, num_hidden_layers=2)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(8)
+        for name, p in model.named_parameters():
+            if "connection" in name:
+                p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
+    x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(5))
+
+    def weights():
+        model(x, labels=x, use_cache=False).loss.backward()
+        return {s: {k: v.clone() for k, v in w.items()} for s, w in model.model.residual_path_weights().items()}
+
+    calls = []
+    real = getattr(native, f"{design}_route")
+    monkeypatch.setattr(native, f"{design}_route", lambda *a: calls.append(1) or real(*a))
+    fused = weights()
+    assert calls
+    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
+    eager = weights()
+    assert fused.keys() == eager.keys()
+    for s in eager:
+        assert fused[s].keys() == eager[s].keys() and {"read", "mix", "write", "pre", "res", "post"} <= eager[s].keys()
+        for k in eager[s]:
+            torch.testing.assert_close(fused[s][k], eager[s][k], rtol=1e-5, atol=1e-6, msg=f"{s} {k}")
+
+
 def test_mhc_logits_out_of_the_kernels_range_take_the_log_domain_form(monkeypatch):
     """An mHC whose Sinkhorn logits span more than the linear domain holds (a large static bias): forward and
     backward both run the log-domain form (the same rule on the same logits), with finite results equal to eager."""

@@ -167,9 +167,10 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # False: no
 
 
 def _outside_autocast(x: torch.Tensor, fn, *args):
-    """``fn(*args)`` with autocast off for ``x``'s device; called directly where no autocast is on (entering an autocast
-    context costs ~30 us on a cold cache, once per sublayer and op on the CPU path). Outside ``torch.compile`` only."""
-    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
+    """``fn(*args)`` with autocast off for ``x``'s device; in eager mode called directly where no autocast is on
+    (entering an autocast context costs ~30 us on a cold cache, once per sublayer and op on the CPU path); under
+    ``torch.compile`` always inside the context, which it traces."""
+    if SourceBank.enabled() and _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():
         return fn(*args)
     with torch.autocast(device_type=x.device.type, enabled=False):
         return fn(*args)
@@ -180,7 +181,7 @@ def _partial_logit(partial, qg, eps):
     """(P [N, d] in fp32, 1/rms(P) [N], z_P = r_P <qg, P> [N]) of the running partial sum; both [N] vectors are
     saved for backward (two floats per token), so the backward never re-reads P for them."""
     P = partial.reshape(-1, qg.shape[-1])
-    Pa = P if P.dtype == qg.dtype else P.to(qg.dtype)
+    Pa = _as(P, qg.dtype)
     rp = _rinv(P, eps)
     return Pa, rp, rp * (Pa @ qg)
 
@@ -193,7 +194,7 @@ def _slot_logits(qg, Va, r):
 
 def _agg_softmax(qg, V, r, zp):
     """(logits, softmax, V in fp32) over V [K, N, d] (+ the partial's logit zp [N] as the last entry); fp32 math."""
-    Va = V if V.dtype == qg.dtype else V.to(qg.dtype)
+    Va = _as(V, qg.dtype)
     z = _slot_logits(qg, Va, r)
     if zp is not None:
         z = torch.cat((z, zp.unsqueeze(0)))
@@ -381,7 +382,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         if two.z is not None and fresh < K:  # this call wrote slots fresh..K-1: their logits, once
             two.write(fresh, K, col)
         Va = V.reshape(K, -1, d)
-        Va = Va if Va.dtype == acc else Va.to(acc)
+        Va = _as(Va, acc)
         qc = two.qg_rows[col]
         z = two.z_rows[col][:K] if two.z is not None else _slot_logits(qc, Va, r.reshape(K, -1))
         out, p, rp, zp = _aggregate(z, Va, partial, qc, eps)
@@ -397,7 +398,7 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         K, d = V.shape[0], V.shape[-1]
         acc = two.qg_d.dtype
         Va = V.reshape(K, -1, d)
-        Va = Va if Va.dtype == acc else Va.to(acc)
+        Va = _as(Va, acc)
         Z, DZ, DQ, Zr, DZr, DQr = two.backward_buffers()
         qc = two.qg_rows[col]
         z = Zr[col][:K]
@@ -447,7 +448,7 @@ class _DepthAggregate(torch.autograd.Function):
         acc = _acc_dtype(V.dtype)
         qg = query.to(acc) if key_weight is None else query.to(acc) * key_weight.to(acc)
         Va = V.reshape(K, -1, d)
-        Va = Va if Va.dtype == acc else Va.to(acc)
+        Va = _as(Va, acc)
         out, p, rp, zp = _aggregate(_slot_logits(qg, Va, r.reshape(K, -1)), Va, partial, qg.contiguous(), eps)
         fresh = 0 if bank is None else bank.fresh
         return _aggregate_outputs(ctx, (query, key_weight, V, r, partial, rp, zp), eps, bank, fresh, out, p)
@@ -872,11 +873,7 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
         else:
             banks = (kb, vb)
     fn = _MoDAFlash if _flash_exact(query, mask, depth_mask, len(depth)) else _MoDAAttention
-    args = (query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
-    if SourceBank.enabled():  # eager: the autocast context only where one is on
-        return _outside_autocast(query, fn.apply, *args)
-    with torch.autocast(query.device.type, enabled=False):  # traced by torch.compile
-        return fn.apply(*args)
+    return _outside_autocast(query, fn.apply, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
 
 
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

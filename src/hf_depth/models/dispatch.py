@@ -59,9 +59,14 @@ def _kernels():
     return _KERNELS
 
 
+def _reference_only(x: torch.Tensor | None) -> bool:
+    """CPU tensors under the default mode: they never leave the references (no mode parsing, no import)."""
+    return x is not None and not x.is_cuda and env("HF_DEPTH_KERNELS", "auto") == "auto"
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Whether the Triton path serves tensors like ``x`` now."""
-    if not x.is_cuda and env("HF_DEPTH_KERNELS") is None:  # CPU tensors under the default mode: no parsing
+    if _reference_only(x):
         return False
     m = mode()
     if m == "torch":
@@ -84,8 +89,7 @@ def op(name: str):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if x is None:
             x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        # fast path: CPU tensors under the default mode never leave the reference (no env parsing, no import)
-        if x is not None and not x.is_cuda and env("HF_DEPTH_KERNELS", "auto") == "auto":
+        if _reference_only(x):
             return ref(*args, **kwargs)
         if x is not None and use_triton(x):
             fn = getattr(_kernels(), name, None)

@@ -28,8 +28,7 @@ def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """``x`` in its accumulation dtype (see ``_acc_dtype``); ``x`` itself, without a dispatcher call, when it is
     already in it (the routing calls this on every parameter and stream of every sublayer)."""
-    acc = _acc_dtype(x.dtype)
-    return x if acc == x.dtype else x.to(acc)
+    return _as(x, _acc_dtype(x.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -319,23 +319,31 @@ def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------- HC / mHC stream mixing (stream_mix.c)
+def _token_view(t: torch.Tensor):
+    """(tensor, token, row and column strides, tokens) of ``t`` [..., a, b] read as [tokens, a, b]: ``t`` itself where
+    it is contiguous (its pointer is what the kernel reads: no view op), else a view; None where the strides allow
+    none."""
+    a, b = t.shape[-2:]
+    if t.is_contiguous():
+        tok = t.numel() // (a * b) if a * b else 0
+        return t, a * b if tok > 1 else 0, b, 1, tok
+    flat = _flat(t)
+    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1),
+                                      flat.stride(2), flat.shape[0])
+
+
 def _token_rows(t: torch.Tensor | None, rows: int, width: int, copy: bool = False):
     """(tensor, token stride, row stride, tokens) of ``t`` [..., rows, width] read as [tokens, rows, width] without a
-    copy (fp32 CPU, the last dim contiguous), else None; ``copy``: a contiguous copy where the strides allow no view.
-    The tensor is the one whose data pointer the kernel reads: ``t`` itself where it is contiguous (no view op)."""
+    copy (fp32 CPU, the last dim contiguous; ``_token_view``), else None; ``copy``: a contiguous copy where the
+    strides allow no view."""
     if copy:
         return _token_rows(t, rows, width) or (None if t is None else _token_rows(t.contiguous(), rows, width))
     if t is None or t.dtype != torch.float32 or not t.is_cpu or t.shape[-2:] != (rows, width):
         return None
     if t.dim() == 2:
         return (t, 0, t.stride(0), 1) if t.stride(-1) == 1 or width == 1 else None
-    if t.is_contiguous():  # the common case: strides by its shape alone
-        tok = t.numel() // (rows * width)
-        return t, rows * width if tok > 1 else 0, width, tok
-    if t.stride(-1) != 1 and width > 1:
-        return None
-    flat = _flat(t)
-    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1), flat.shape[0])
+    v = _token_view(t)
+    return None if v is None or (v[3] != 1 and width > 1) else (v[0], v[1], v[2], v[4])
 
 
 def _vec_rows(t: torch.Tensor | None, width: int, copy: bool = False):
@@ -360,20 +368,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor | None:
 
 def _matrices(M: torch.Tensor, lead: torch.Size):
     """(tensor, token, row and column strides, tokens) of the fp32 CPU matrices M [*lead, r, n] (any strides; or
-    [r, n], one for every token) read as [tokens, r, n] without a copy, else None."""
+    [r, n], one for every token) read as [tokens, r, n] without a copy (``_token_view``), else None."""
     if M.dtype != torch.float32 or not M.is_cpu:
         return None
     if M.dim() == 2:
         return M, 0, M.stride(0), M.stride(1), 1
-    if M.shape[:-2] != lead:
-        return None
-    r, n = M.shape[-2:]
-    if M.is_contiguous():  # no view op
-        tok = M.numel() // (r * n) if r * n else 0
-        return M, r * n if tok > 1 else 0, n, 1, tok
-    flat = _flat(M)
-    return None if flat is None else (flat, flat.stride(0) if flat.shape[0] > 1 else 0, flat.stride(1),
-                                      flat.stride(2), flat.shape[0])
+    return _token_view(M) if M.shape[:-2] == lead else None
 
 
 def stream_mix(M: torch.Tensor, H: torch.Tensor, split: int) -> tuple[torch.Tensor, ...] | None:
@@ -531,8 +531,8 @@ def hc_route(H: torch.Tensor, W_a: torch.Tensor, w_b: torch.Tensor, static_alpha
              beta_scale, eps: float):
     """Dynamic HC's routing of streams H [..., n, d] (fp32) in one pass per token (``stream_mix.c``): returns
     (x [..., d], mixed [..., n, d], A [..., n, n + 1], beta [..., n], r [..., n, 1], P [..., n, n + 2]) with
-    r = 1 / rms(H), P = (H WT^T) r for WT = [W_a | w_b]^T (W_a [d, n + 1], w_b [d]), A = static_alpha + alpha_scale tanh(P[..., :n + 1]),
-    beta = static_beta + beta_scale tanh(P[..., n + 1]), x = A[..., 0]^T H and mixed = A[..., 1:]^T H: the function
+    r = 1 / rms(H), P = (H WT^T) r for WT = [W_a | w_b]^T (W_a [d, n + 1], w_b [d]),
+    A = static_alpha + alpha_scale tanh(P[..., :n + 1]), beta = static_beta + beta_scale tanh(P[..., n + 1]), x = A[..., 0]^T H and mixed = A[..., 1:]^T H: the function
     of ``HCConnection.routing_saved`` and ``read_and_mix`` (to fp32 rounding; the mixing's rows formed as
     ``mix_streams`` forms them from A). None when the kernel does not take these tensors."""
     got = _hc_inputs(H, (W_a, w_b), static_alpha, static_beta, alpha_scale, beta_scale)
