@@ -306,6 +306,18 @@ def test_native_sinkhorn_equals_the_reference():
     assert native.sinkhorn(L, 0) is None  # no iteration: exp(logits) unnormalized, the eager form's
 
 
+def _routed_model(design: str, layers: int, seed: int, **extra):
+    """A tiny ``design`` model whose routing parameters are moved away from their init (where the dynamic projections
+    are zero and tanh(0) = 0 exactly): input-dependent gates, so kernels and eager forms are compared on real work."""
+    model = tiny_model(design, num_hidden_layers=layers, **extra)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "connection" in name:
+                p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
+    return model
+
+
 def _model_kernels_equal_eager(model, x, ops, to_eager, monkeypatch):
     """The native ``ops`` run (counted) in a training step of ``model`` on ``x``; 2 threads and activation
     checkpointing change no bit of the logits or any parameter gradient; after ``to_eager()`` (the eager form) they
@@ -349,12 +361,7 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
     """HC / mHC (the streams' one-pass kernels in forward, rebuild and backward; dynamic HC's fused routing, mHC's
     Sinkhorn), with routing weights away from their init: logits and every parameter gradient equal the eager
     form's at fp32 rounding; neither the thread count nor activation checkpointing changes a bit."""
-    model = tiny_model(design, num_hidden_layers=layers, **extra)
-    with torch.no_grad():  # input-dependent gates (at init the dynamic projections are zero: tanh(0) = 0 exactly)
-        g = torch.Generator().manual_seed(5)
-        for name, p in model.named_parameters():
-            if "connection" in name:
-                p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
+    model = _routed_model(design, layers, 5, **extra)
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(3))  # 8 x 64 x 4 x 32: one-pass size
     fused = {"hc": ("hc_route", "hc_rebuild", "hc_route_backward"),
              "mhc": ("mhc_route", "stream_mix_write", "mhc_route_backward")}[design]
@@ -372,14 +379,10 @@ def test_the_training_routing_runs_outside_autocast(design):
     from hf_depth.models.depth_ops import stream_route
     from hf_depth.models.design_hc import MultiStreamConnection
 
-    model = tiny_model(design, num_hidden_layers=1)
+    model = _routed_model(design, 1, 3)
     conn = next(m for m in model.modules() if isinstance(m, MultiStreamConnection))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(3)
-        for p in conn.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
     n, d = model.config.num_streams, model.config.hidden_size
-    H = torch.randn(8, 2048 // d * 8, n, d, generator=g).requires_grad_()  # a training shape: the native path
+    H = torch.randn(8, 2048 // d * 8, n, d, generator=torch.Generator().manual_seed(4)).requires_grad_()  # native path
     ref = stream_route(conn, 1, H)[:3]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = stream_route(conn, 1, H)[:3]
@@ -390,12 +393,7 @@ def test_the_training_routing_runs_outside_autocast(design):
 def test_the_fused_routing_reports_the_weights_it_used(design, monkeypatch):
     """After a training step on the native path, ``path_weights`` (formed from the fused routing's outputs when asked)
     gives the routing weights of that step: the eager path's at fp32 rounding, per token and as token means."""
-    model = tiny_model(design, num_hidden_layers=2)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(8)
-        for name, p in model.named_parameters():
-            if "connection" in name:
-                p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
+    model = _routed_model(design, 2, 8)
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(5))
 
     def weights():
@@ -613,12 +611,7 @@ def test_fused_mhc_routing_declines_more_streams_than_its_buffers():
 def test_a_fused_forward_whose_backward_declines_takes_the_by_hand_steps(design, op, monkeypatch):
     """The fused forward ran but its backward returns None: the by-hand backward from the same M gives the eager
     gradients (1e-6); the rebuild still runs the fused rebuild."""
-    model = tiny_model(design, num_hidden_layers=2)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(9)
-        for name, p in model.named_parameters():
-            if "connection" in name:
-                p.add_(torch.randn(p.shape, generator=g) * (0.1 if p.dim() < 2 else 0.05))
+    model = _routed_model(design, 2, 9)
     x = torch.randint(2, 97, (8, 64), generator=torch.Generator().manual_seed(4))
 
     def grads():
