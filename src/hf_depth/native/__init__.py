@@ -160,6 +160,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_stream_mix_write.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
+    lib.hfd_mhc_route_bwd_sums.argtypes = [P, N, N, P]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd_sums.argtypes = [P, P, N, N, N, P]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
@@ -167,7 +168,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
-               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_agg_fwd, lib.hfd_agg_bwd):
+               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_mhc_route_bwd_sums, lib.hfd_agg_fwd, lib.hfd_agg_bwd):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -676,7 +677,9 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     """The backward of ``mhc_route`` through the recomputed gates and Sinkhorn, given the gradients of x, mixed and
     post and the forward's r = 1 / rms(vec(H)) [..., 1] and M: (dH [H's shape] without the projection's part,
     dQ [tokens, n^2 + 2n] (the gradient of vec(H) phi), d bias [n^2 + 2n], d alpha [3]), fp32. The caller adds
-    dQ phi^T to dH and forms d phi = vec(H)^T dQ (two products). None when the kernels do not take these tensors."""
+    dQ phi^T to dH and forms d phi = vec(H)^T dQ (two products). d bias and d alpha are token sums in blocks of
+    ``HC_SUM_BLOCK`` tokens (double), added in block order (the thread count changes no bit), views of one buffer.
+    None when the kernels do not take these tensors."""
     got = _mhc_inputs(H, proj, bias, alpha, iters)
     if got is None:
         return None
@@ -690,7 +693,7 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     tok = h[3]
     blocks = -(-tok // HC_SUM_BLOCK)
     dH, dQ = torch.empty(H.shape, dtype=torch.float32), torch.empty(tok, C, dtype=torch.float32)
-    reds = torch.zeros(blocks, C + 3, dtype=torch.float64)
+    reds = torch.empty(blocks, C + 3, dtype=torch.float64)  # each block's row starts from zero in the kernel
     dp = _f32(dpost)
     args = (_ptr(h[0]), h[1], h[2], _ptr(proj), _ptr(r), _ptr(M), _ptr(b), _ptr(a), int(tanh), int(columns_first),
             iters, _ptr(ga[0]), ga[1], _ptr(gb[0]), gb[1], gb[2], _ptr(dp), _ptr(dH), _ptr(dQ), _ptr(reds),
@@ -699,8 +702,10 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
                      blocks, 1)
     if not ok:
         return None
-    red = reds.sum(0).float()
-    return dH, dQ, red[:C], red[C:]
+    out = torch.empty(C + 3, dtype=torch.float32)
+    _check(lib.hfd_mhc_route_bwd_sums(_ptr(reds), blocks, C, _ptr(out)))
+    dbias, dalpha = out.split_with_sizes((C, 3))
+    return dH, dQ, dbias, dalpha
 
 
 # --------------------------------------------------------------------------- AttnRes' depth softmax (attnres_agg.c)

@@ -186,8 +186,7 @@ int hfd_stream_write_bwd(const float *w, int64_t swt, int64_t sws, const float *
 typedef float sk_v __attribute__((vector_size(SK_LANES * sizeof(float))));
 
 static inline sk_v sk_splat(float x) {
-    sk_v v;
-    for (int l = 0; l < SK_LANES; l++) v[l] = x;
+    const sk_v v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; /* one broadcast (a loop over lanes: 16 inserts) */
     return v;
 }
 
@@ -730,7 +729,8 @@ int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, float *proj, float *
  *   dproj = du [a0 .. | a1 .. | a2 ..] (times 1 - u^2 for ``tanh``);  dQ = dproj r;  k = (dproj . proj) r^2 / (n d)
  *   dH_s = sum_i M[i, s] G_i - k H_s   (the projection's dQ phi^T is the caller's product)
  * and, per block of ``blk`` tokens (a multiple of SK_LANES), the token sums of du (d bias) and of du u by gate
- * (d a0, d a1, d a2), in double: reds [blocks, C + 3]. Layouts: r [tok], M [tok, n + 1, n] (the forward's),
+ * (d a0, d a1, d a2), in double: reds [blocks, C + 3], each row added to from zero in token order (a call covers
+ * whole blocks: the sums never depend on the threads; hfd_mhc_route_bwd_sums adds the blocks). Layouts: r [tok], M [tok, n + 1, n] (the forward's),
  * G0 [tok, d] (sgt), G1 [tok, n, d] (sbt, sbr), dpost [tok, n], dH [tok, n, d] and dQ [tok, C] contiguous. */
 /* dH_s = sum_i M[i, s] G_i (rows 1.. first, then row 0) + k H_s for one token, 8 columns at a time */
 HC_INLINE void mhc_dH(int64_t n, float *dHt, const float *Mt, const float *const *g, const float *Ht, int64_t shs,
@@ -772,6 +772,7 @@ int hfd_mhc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *pro
     int status = 0;
     for (int64_t t = t0; t < t1 && !status; t += SK_LANES) {
         const int64_t nt = t1 - t < SK_LANES ? t1 - t : SK_LANES;
+        if (t % blk == 0) memset(reds + (t / blk) * (C + 3), 0, sizeof(double) * (size_t)(C + 3)); /* a block's sums */
         for (int64_t l = 0; l < SK_LANES; l++) {
             if (l < nt) mhc_gates(proj + (t + l) * C, b, a, (int)tanh_on, (int)cf, n, u[l], pre[l], post[l], L, l);
             for (int64_t e = 0; e < nn; e++) G[e * SK_LANES + l] = 0.0f;
@@ -821,4 +822,15 @@ int hfd_mhc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *pro
     }
     free(P);
     return status;
+}
+
+/* d bias [C] and d a [3] of hfd_mhc_route_bwd from its per-block sums reds [blocks, C + 3] (double), summed over the
+ * blocks in block order (whatever the threads) and rounded to float once, into out [C + 3] */
+int hfd_mhc_route_bwd_sums(const double *reds, int64_t blocks, int64_t C, float *out) {
+    for (int64_t e = 0; e < C + 3; e++) {
+        double s = reds[e];
+        for (int64_t b = 1; b < blocks; b++) s += reds[b * (C + 3) + e];
+        out[e] = (float)s;
+    }
+    return 0;
 }
