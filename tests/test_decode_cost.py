@@ -86,9 +86,22 @@ def test_decoding_step_ops_are_linear_in_depth(design):
     assert counts[2] - counts[1] == counts[1] - counts[0], counts
 
 
-def test_mhc_decoding_sinkhorn_is_one_op_per_half_step():
-    """mHC's Sinkhorn in a decoding step (the reference, ``functional.sinkhorn``): one ``log_softmax`` per
+def test_mhc_decoding_sinkhorn_is_one_op_per_half_step(monkeypatch):
+    """mHC's Sinkhorn in a decoding step: with the native kernels, inside the one fused routing call per sublayer
+    (no Sinkhorn op at all); without them (the reference, ``functional.sinkhorn``), one ``log_softmax`` per
     half-step, 2 x iters per sublayer, no ``logsumexp`` (several ops) plus a subtraction."""
+    from hf_depth import native
+    from hf_depth.models import depth_ops
+
+    if native.library() is None:
+        pytest.skip("native kernels unavailable (no C compiler)")
+    calls = []
+    real = native.mhc_route
+    monkeypatch.setattr(native, "mhc_route", lambda H, *a: calls.append(H.shape[:-2].numel()) or real(H, *a))
+    ops = _ops("mhc", 2, mhc_sinkhorn_iters=7)
+    assert not [o for o in ops if "softmax" in o or "logsumexp" in o]
+    assert calls[-4:] == [1] * 4  # the decoding step: one token, one fused call per sublayer
+    monkeypatch.setattr(depth_ops, "_native_ok", lambda: False)
     ops = _ops("mhc", 2, mhc_sinkhorn_iters=7)
     assert not [o for o in ops if "logsumexp" in o]
     assert sum("_log_softmax" in o for o in ops) == 2 * 7 * 4

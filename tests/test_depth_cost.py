@@ -224,7 +224,7 @@ def test_stream_routing_variants_equal_reference(design, kw):
 def test_no_grad_forward_of_a_prompt_is_the_training_forward(design, kw, monkeypatch):
     """Without autograd (evaluation, a prompt's prefill), streams of at least ``_ONE_PASS_MIN`` elements are routed by
     the CPU training forward's ops (``routing_saved``): logits bit-equal to the training forward's, and the
-    reference route's (``conn.route``, which decoding keeps: one token at a time) to fp32 rounding."""
+    reference route's (``conn.route``, which decoding takes where the native kernels do not run) to fp32 rounding."""
     from hf_depth.models import depth_ops
 
     model = _perturb(tiny_model(design, num_hidden_layers=5, hidden_size=64, **kw))
@@ -244,7 +244,8 @@ def test_no_grad_forward_of_a_prompt_is_the_training_forward(design, kw, monkeyp
         evaluated = model(x, use_cache=False).logits
         assert calls["route"] == 0
         assert torch.equal(evaluated, trained.detach())
-        monkeypatch.setattr(depth_ops, "_ONE_PASS_MIN", x.numel() * 10**6)  # every input routed as decoding's
+        monkeypatch.setattr(depth_ops, "_ONE_PASS_MIN", x.numel() * 10**6)  # every input routed as decoding's,
+        monkeypatch.setattr(depth_ops, "_native_ok", lambda: False)  # without the native kernels
         reference = model(x, use_cache=False).logits
         assert calls["route"] == 10
     assert_equal_fp32(evaluated, reference)

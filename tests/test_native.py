@@ -372,6 +372,29 @@ def test_model_stream_kernels_equal_eager(design, extra, layers, monkeypatch):
 
 
 @pytest.mark.parametrize("design", ["hc", "mhc"])
+def test_decoding_takes_the_fused_routing(design, monkeypatch):
+    """Without grad, every size takes the fused native routing (one call per sublayer, a decoding step's one token per
+    row included): greedy generation's tokens equal the reference routing's (native off) and its scores agree at fp32
+    rounding."""
+    model = _routed_model(design, 2, 6).eval()
+    x = torch.randint(2, 97, (2, 5), generator=torch.Generator().manual_seed(7))
+    kw = dict(attention_mask=torch.ones_like(x), max_new_tokens=4, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    sizes = []
+    real = getattr(native, f"{design}_route")
+    monkeypatch.setattr(native, f"{design}_route", lambda H, *a: sizes.append(H.shape[:-2].numel()) or real(H, *a))
+    with torch.no_grad():
+        fused = model.generate(x, **kw)
+    assert sizes == [10] * 4 + [2] * 4 * 3  # the prompt, then 3 decoding steps: 2 layers x 2 sublayers each
+    monkeypatch.setattr(depth_ops, "_native_ok", lambda: False)
+    with torch.no_grad():
+        ref = model.generate(x, **kw)
+    assert torch.equal(fused.sequences, ref.sequences)
+    for a, b in zip(fused.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
+
+
+@pytest.mark.parametrize("design", ["hc", "mhc"])
 def test_the_training_routing_runs_outside_autocast(design):
     """Under bf16 autocast the CPU training path's routing (``depth_ops._Route``: the native kernels, mHC's projection
     product) computes in fp32, the same bits as without autocast (the autocast context is entered only where one is

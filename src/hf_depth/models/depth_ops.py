@@ -921,6 +921,14 @@ def native_stream_op(H: torch.Tensor, op: str, *args):
     return getattr(native, op)(*args) if _native_streams(H) else None
 
 
+def native_fused_op(op: str, *args):
+    """``hf_depth.native.<op>(*args)`` for a connection's fused routing (``fused_route`` and the steps after it) where
+    the native kernels may run (``_native_ok``), else None, as when the op declines its tensors. The callers decide
+    the sizes: ``_Route`` fuses streams of a training shape (``_native_streams``), ``stream_route`` without grad
+    fuses every size (a decoding step's routing in one native pass)."""
+    return getattr(native, op)(*args) if _native_ok() else None
+
+
 def _read_and_mix(M: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``read_and_mix(M, H)``: the native one-pass kernel where it runs (the same values, bit for bit on FMA CPUs)."""
     out = native_stream_op(H, "stream_mix", M, H, 1)
@@ -1124,33 +1132,38 @@ def _eager(x: torch.Tensor) -> bool:
 
 def stream_route(conn, s: int, H: torch.Tensor):
     """``conn.route(H)`` -> (x, mixed, w, seen), saving H only at segment starts (see above). Without grad, nothing
-    is saved: a prompt or an evaluation batch (at least ``_ONE_PASS_MIN`` stream elements, CPU) runs the training
-    forward's ops, the same values as training; a decoding step, ``torch.compile`` and the Triton path run
-    ``conn.route``."""
+    is saved (``_route_without_grad``)."""
     if SourceBank.enabled() and torch.is_grad_enabled():
         x, mixed, w = _Route.apply(conn, s, H, *(p for _, p in _own_params(conn)))
         seen = conn.__dict__.pop("_seen_raw")
         return x, mixed, w, seen
-    with torch.autocast(device_type=H.device.type, enabled=False):
-        if not _eager(H) or H.numel() < _ONE_PASS_MIN:
-            return conn.route(H)  # decoding (a few tokens): the reference's fewer ops
-        # a prompt or an evaluation batch: the CPU training forward's ops (``_Route.forward``: one coefficient
-        # projection, mHC's token-last Sinkhorn; on CPU faster than the reference's), the same values
-        fused = conn.fused_route(H) if _native_streams(H) else None
-        if fused is not None:
-            return fused[:4]
-        M, w, seen, _ = conn.routing_saved(H)
-        return (*_read_and_mix(M, H), w, seen)
+    return _outside_autocast(H, _route_without_grad, conn, H)
+
+
+def _route_without_grad(conn, H: torch.Tensor):
+    """The routing of a prompt, an evaluation batch or a decoding step: the connection's fused native routing where
+    it runs, at every size (the training forward's kernel, token by token: a decoding step runs one native pass per
+    sublayer, not the reference's dozens of small ops); else, on CPU at a training shape (``_ONE_PASS_MIN`` stream
+    elements), the training forward's eager ops (one coefficient projection, mHC's token-last Sinkhorn; the same
+    values as training); else (a few tokens, ``torch.compile``, the Triton path) ``conn.route``."""
+    if not _eager(H):
+        return conn.route(H)
+    fused = conn.fused_route(H) if _native_ok() else None
+    if fused is not None:
+        return fused[:4]
+    if H.numel() < _ONE_PASS_MIN:
+        return conn.route(H)
+    M, w, seen, _ = conn.routing_saved(H)
+    return (*_read_and_mix(M, H), w, seen)
 
 
 def stream_write(conn, s: int, mixed: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``conn.depth(mixed, w, y)`` saving (w, y); the output carries the segment on to the next sublayer."""
     if not SourceBank.enabled() or not torch.is_grad_enabled():
-        with torch.autocast(device_type=mixed.device.type, enabled=False):
-            if not _eager(mixed):
-                return conn.depth(mixed, w, y)
-            # the CPU path writes into the route's own mixed streams, as ``_Write`` does (no fresh stream-sized output)
-            return write_streams(mixed, w, y, inplace=True)
+        # the CPU path writes into the route's own mixed streams, as ``_Write`` does (no fresh stream-sized output)
+        if not _eager(mixed):
+            return _outside_autocast(mixed, conn.depth, mixed, w, y)
+        return _outside_autocast(mixed, write_streams, mixed, w, y, True)
     node = mixed.grad_fn
     seg = None
     if node is not None and getattr(node, "seg", None) is not None and getattr(node, "s", None) == s:

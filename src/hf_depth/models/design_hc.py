@@ -41,7 +41,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, check_fields, field_alias
-from .depth_ops import SEGMENT, _sum_to, native_stream_op, stream_route, stream_write
+from .depth_ops import SEGMENT, _sum_to, native_fused_op, stream_route, stream_write
 from .dispatch import hc_coefficients, hc_depth, hc_width
 from .functional import _acc, inv_rms
 from .modeling_depth import DepthForCausalLM, DepthModel
@@ -405,20 +405,20 @@ class HCConnection(MultiStreamConnection):
     def fused_route(self, H):
         if not (self.dynamic and self.stream_mixing):
             return None
-        out = native_stream_op(H, "hc_route", H, self.dynamic_alpha, self.dynamic_beta, *self._gate_params(), self.eps)
+        out = native_fused_op("hc_route", H, self.dynamic_alpha, self.dynamic_beta, *self._gate_params(), self.eps)
         if out is None:
             return None
         x, mixed, A, beta, r, P = out
         return x, mixed, beta, lambda: self._seen_of(A, beta), (r, P)
 
     def fused_mixing(self, H, saved):
-        return native_stream_op(H, "hc_mixing", saved[1], *self._gate_params())[0]
+        return native_fused_op("hc_mixing", saved[1], *self._gate_params())[0]
 
     def fused_rebuild(self, H, saved, w, y):
-        return native_stream_op(H, "hc_rebuild", H, saved[1], *self._gate_params(), w, y)
+        return native_fused_op("hc_rebuild", H, saved[1], *self._gate_params(), w, y)
 
     def fused_backward(self, H, saved, dx, dmixed, dw):
-        out = native_stream_op(H, "hc_route_backward", H, self.dynamic_alpha, self.dynamic_beta, *self._gate_params(),
+        out = native_fused_op("hc_route_backward", H, self.dynamic_alpha, self.dynamic_beta, *self._gate_params(),
                                *saved, dx, dmixed, dw)
         if out is None:
             return None

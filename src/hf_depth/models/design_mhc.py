@@ -39,7 +39,7 @@ from torch import nn
 from transformers import initialization as init
 
 from .configuration_depth import DepthConfig, check_fields, field_alias
-from .depth_ops import _sum_to, native_stream_op
+from .depth_ops import _sum_to, native_fused_op, native_stream_op
 from .design_hc import (
     FINAL_REDUCES,
     MULTI_STREAM,
@@ -215,18 +215,18 @@ class MHCConnection(MultiStreamConnection):
         # the projection's product by the library (a GEMM), 1 / rms and the rest in one native pass per token
         X = _acc(H.flatten(-2))
         proj = (X.reshape(-1, X.shape[-1]) @ _acc(self.dynamic_phi)).view(*X.shape[:-1], -1)
-        out = native_stream_op(H, "mhc_route", H, proj, *self._fused_args(), self.eps)
+        out = native_fused_op("mhc_route", H, proj, *self._fused_args(), self.eps)
         if out is None:
             return None
         x, mixed, M, post, r = out
         return x, mixed, post, lambda: {"pre": M[..., 0, :], "res": M[..., 1:, :], "post": post}, (r, proj, M)
 
     def fused_rebuild(self, H, saved, w, y):
-        return native_stream_op(H, "stream_mix_write", saved[2], H, w, y)
+        return native_fused_op("stream_mix_write", saved[2], H, w, y)
 
     def fused_backward(self, H, saved, dx, dmixed, dw):
         r, proj, M = saved
-        out = native_stream_op(H, "mhc_route_backward", H, proj, r, M, *self._fused_args(), dx, dmixed, dw)
+        out = native_fused_op("mhc_route_backward", H, proj, r, M, *self._fused_args(), dx, dmixed, dw)
         if out is None:
             return None
         dH, dQ, dbias, dalpha = out
