@@ -745,6 +745,29 @@ def test_aggregation_kernels_decline_what_they_do_not_take():
     assert not dV.any() and not DZ.any()  # a declined call writes nothing
 
 
+def test_the_slot_write_kernel_copies_and_normalizes():
+    """``native.slot_write``: slot i of a bank := x, each row's 1 / rms equal to ``depth_ops._rinv``'s at fp32
+    rounding, the other slots untouched; rows a view can reach are read in place; what it does not take is declined
+    with nothing written."""
+    from hf_depth.models.depth_ops import _rinv
+
+    g = torch.Generator().manual_seed(11)
+    data, rinv = torch.zeros(4, 3, 5, 16), torch.zeros(4, 3, 5)
+    x = torch.randn(3, 5, 16, generator=g) * 3
+    strided = torch.randn(3, 10, 16, generator=g)[:, ::2]  # rows 2 apart: a [15, 16] view with a row stride of 32
+    for i, src in ((2, x), (0, strided)):
+        assert native.slot_write(src, data, rinv, i, 1e-6)
+        assert torch.equal(data[i], src)
+        torch.testing.assert_close(rinv[i], _rinv(src, 1e-6), rtol=1e-6, atol=0)
+    assert not data[[1, 3]].any() and not rinv[[1, 3]].any()
+    before = data.clone(), rinv.clone()
+    for src, bank, r in ((x.bfloat16(), data, rinv), (x, data.double(), rinv), (x[:, :4], data, rinv),
+                         (x.transpose(0, 1).contiguous().transpose(0, 1)[:, ::2], data[:, :, :3], rinv[:, :, :3]),
+                         (x, data, rinv[:, :, :4])):
+        assert not native.slot_write(src, bank, r, 1, 1e-6)
+    assert torch.equal(data, before[0]) and torch.equal(rinv, before[1])
+
+
 @pytest.mark.parametrize("design,extra", [("attnres", {}), ("block_attnres", {"attnres_block_size": 2}),
                                           ("block_attnres", {"attnres_block_size": 3})])
 @pytest.mark.parametrize("layers", [1, 2, 7])
@@ -765,5 +788,6 @@ def test_model_aggregation_kernels_equal_eager(design, extra, layers, monkeypatc
     def to_eager():
         for op in ops:
             monkeypatch.setattr(native, op, lambda *a: None)  # every call declines: the eager form
+        monkeypatch.setattr(native, "slot_write", lambda *a: False)  # and the bank's slots: copy and 1 / rms by ops
 
     _model_kernels_equal_eager(model, x, ops, to_eager, monkeypatch)

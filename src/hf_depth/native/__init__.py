@@ -164,11 +164,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd_sums.argtypes = [P, P, N, N, N, P]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
+    lib.hfd_slot_write.argtypes = [P, N, P, P, F, N, N, N]
     lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, P, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
-               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_mhc_route_bwd_sums, lib.hfd_agg_fwd, lib.hfd_agg_bwd):
+               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_mhc_route_bwd_sums,
+               lib.hfd_agg_fwd, lib.hfd_agg_bwd, lib.hfd_slot_write):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -729,6 +731,22 @@ def _agg_inputs(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: to
           and qg.shape == (d,) and qg.is_contiguous() and K >= 1
           and (P is None or (P.shape == (N, d) and P.is_contiguous())))
     return lib if ok else None
+
+
+def slot_write(x: torch.Tensor, data: torch.Tensor, rinv: torch.Tensor, i: int, eps: float) -> bool:
+    """Slot ``i`` of a bank (``depth_ops.SourceBank``: ``data`` [capacity, *x.shape], ``rinv`` [capacity,
+    *x.shape[:-1]], both fp32 contiguous) := x (fp32 CPU, rows contiguous), with each row's 1 / rms (``eps``), in one
+    pass (``attnres_agg.c``); False (nothing written) when the kernel does not take these tensors."""
+    lib = library()
+    d = x.shape[-1]
+    rows = _vec_rows(x, d)
+    if (lib is None or rows is None or not (_f32_cpu(data) and _f32_cpu(rinv)) or data.shape[1:] != x.shape
+            or rinv.shape[1:] != x.shape[:-1] or not (data.is_contiguous() and rinv.is_contiguous())):
+        return False
+    n = rows[3]  # rows per slot
+    _parallel(lambda lo, hi: lib.hfd_slot_write(_ptr(rows[0]), rows[1], data.data_ptr() + 4 * i * n * d,
+                                                rinv.data_ptr() + 4 * i * n, eps, d, lo, hi), n, _AGG_MIN_TOKENS)
+    return True
 
 
 def agg_forward(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: torch.Tensor, eps: float):

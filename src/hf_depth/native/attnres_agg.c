@@ -50,6 +50,17 @@ static inline float agg_rinv(const float *x, int64_t d, float eps) {
 #define AGG_TC 16
 #endif
 
+/* A bank slot's write (depth_ops.SourceBank): rows [n0, n1) of x (row stride sx, d contiguous) copied into dst
+ * [N, d] (contiguous), with their 1 / rms (agg_rinv, ``eps``) into r [N]: one pass instead of a copy and five ops */
+int hfd_slot_write(const float *x, int64_t sx, float *dst, float *r, float eps, int64_t d, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const float *xn = x + n * sx;
+        memcpy(dst + n * d, xn, sizeof(float) * (size_t)d);
+        r[n] = agg_rinv(xn, d, eps);
+    }
+    return 0;
+}
+
 int hfd_agg_fwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_t K, const float *P,
                 const float *qg, float eps, float *out, float *p, float *rp, float *zp, int64_t d, int64_t n0,
                 int64_t n1) {
