@@ -743,9 +743,9 @@ def slot_write(x: torch.Tensor, data: torch.Tensor, rinv: torch.Tensor, i: int, 
     if (lib is None or rows is None or not (_f32_cpu(data) and _f32_cpu(rinv)) or data.shape[1:] != x.shape
             or rinv.shape[1:] != x.shape[:-1] or not (data.is_contiguous() and rinv.is_contiguous())):
         return False
-    n = rows[3]  # rows per slot
-    _parallel(lambda lo, hi: lib.hfd_slot_write(_ptr(rows[0]), rows[1], data.data_ptr() + 4 * i * n * d,
-                                                rinv.data_ptr() + 4 * i * n, eps, d, lo, hi), n, _AGG_MIN_TOKENS)
+    n, f = rows[3], data.element_size()  # rows per slot, bytes per float
+    _parallel(lambda lo, hi: lib.hfd_slot_write(_ptr(rows[0]), rows[1], data.data_ptr() + f * i * n * d,
+                                                rinv.data_ptr() + f * i * n, eps, d, lo, hi), n, _AGG_MIN_TOKENS)
     return True
 
 

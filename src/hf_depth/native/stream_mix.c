@@ -185,8 +185,11 @@ int hfd_stream_write_bwd(const float *w, int64_t swt, int64_t sws, const float *
  * arithmetic and order per lane as a loop over the lanes; one AVX-512 register where the CPU has them) */
 typedef float sk_v __attribute__((vector_size(SK_LANES * sizeof(float))));
 
+typedef char sk_splat_lists_16_lanes[SK_LANES == 16 ? 1 : -1]; /* the initializer below names each lane */
+
 static inline sk_v sk_splat(float x) {
-    const sk_v v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; /* one broadcast (a loop over lanes: 16 inserts) */
+    /* one broadcast (GCC compiled a loop over the lanes into 16 masked inserts) */
+    const sk_v v = {x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
     return v;
 }
 
@@ -730,8 +733,9 @@ int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, float *proj, float *
  *   dH_s = sum_i M[i, s] G_i - k H_s   (the projection's dQ phi^T is the caller's product)
  * and, per block of ``blk`` tokens (a multiple of SK_LANES), the token sums of du (d bias) and of du u by gate
  * (d a0, d a1, d a2), in double: reds [blocks, C + 3], each row added to from zero in token order (a call covers
- * whole blocks: the sums never depend on the threads; hfd_mhc_route_bwd_sums adds the blocks). Layouts: r [tok], M [tok, n + 1, n] (the forward's),
- * G0 [tok, d] (sgt), G1 [tok, n, d] (sbt, sbr), dpost [tok, n], dH [tok, n, d] and dQ [tok, C] contiguous. */
+ * whole blocks: the sums never depend on the threads; hfd_mhc_route_bwd_sums adds the blocks). Layouts: r [tok],
+ * M [tok, n + 1, n] (the forward's), G0 [tok, d] (sgt), G1 [tok, n, d] (sbt, sbr), dpost [tok, n], dH [tok, n, d]
+ * and dQ [tok, C] contiguous. */
 /* dH_s = sum_i M[i, s] G_i (rows 1.. first, then row 0) + k H_s for one token, 8 columns at a time */
 HC_INLINE void mhc_dH(int64_t n, float *dHt, const float *Mt, const float *const *g, const float *Ht, int64_t shs,
                       float k, int64_t d) {
