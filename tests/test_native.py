@@ -394,6 +394,31 @@ def test_decoding_takes_the_fused_routing(design, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, b.abs().max().item()))
 
 
+def test_mhc_fused_routing_declines_streams_before_its_product():
+    """Streams the native kernels do not take (bf16, float64): mHC's fused routing returns None before the projection's
+    product, so a bf16 decoding step pays no fp32 GEMM for a kernel call that would decline."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_depth.models.design_hc import MultiStreamConnection
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    conn = next(m for m in _routed_model("mhc", 1, 3).modules() if isinstance(m, MultiStreamConnection))
+    H = torch.randn(2, 1, conn.n, 32)
+    assert conn.fused_route(H) is not None
+    for other in (H.bfloat16(), H.double()):
+        with Ops() as ops:
+            assert conn.fused_route(other) is None
+        assert not ops.names, ops.names
+
+
 @pytest.mark.parametrize("design", ["hc", "mhc"])
 def test_the_training_routing_runs_outside_autocast(design):
     """Under bf16 autocast the CPU training path's routing (``depth_ops._Route``: the native kernels, mHC's projection

@@ -213,6 +213,8 @@ class MHCConnection(MultiStreamConnection):
 
     def fused_route(self, H):
         # the projection's product by the library (a GEMM), 1 / rms and the rest in one native pass per token
+        if H.dtype != torch.float32 or not H.is_cpu:  # streams the native kernels decline: no product for nothing
+            return None
         X = _acc(H.flatten(-2))
         proj = (X.reshape(-1, X.shape[-1]) @ _acc(self.dynamic_phi)).view(*X.shape[:-1], -1)
         out = native_fused_op("mhc_route", H, proj, *self._fused_args(), self.eps)
