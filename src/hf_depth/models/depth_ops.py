@@ -143,8 +143,9 @@ class SourceBank:
     def _write(self, i: int, t: torch.Tensor) -> None:
         if t.shape != self.data.shape[1:]:
             raise ValueError(f"bank slot shape {tuple(self.data.shape[1:])}, got {tuple(t.shape)}")
+        # the native kernel writes the copy and each row's 1 / rms in one pass; else (or where it declines) the ops
         if self._rraw is None or not (_native_ok() and native.slot_write(t, self._raw, self._rraw, i, self.rms_eps)):
-            with torch.no_grad():  # (the native kernel: the copy and 1 / rms in one pass, one call)
+            with torch.no_grad():
                 self._raw[i].copy_(t)
                 if self._rraw is not None:
                     self._rraw[i] = _rinv(self._raw[i], self.rms_eps)

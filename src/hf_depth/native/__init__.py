@@ -160,7 +160,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_stream_mix_write.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, P, N, N, N, N]
     lib.hfd_mhc_route.argtypes = [P, N, N, P, P, F, P, P, N, N, N, P, P, P, P, N, N, N, N]
     lib.hfd_mhc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, N, N, N, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
-    lib.hfd_mhc_route_bwd_sums.argtypes = [P, N, N, P]
+    lib.hfd_block_sums.argtypes = [P, N, N, P]
     lib.hfd_hc_route_bwd.argtypes = [P, N, N, P, P, P, P, P, P, P, P, P, N, P, N, N, P, P, P, P, N, N, N, N, N]
     lib.hfd_hc_route_bwd_sums.argtypes = [P, P, N, N, N, P]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
@@ -169,7 +169,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
-               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_mhc_route_bwd_sums,
+               lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_block_sums,
                lib.hfd_agg_fwd, lib.hfd_agg_bwd, lib.hfd_slot_write):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
@@ -705,7 +705,7 @@ def mhc_route_backward(H, proj, r, M, bias, alpha, tanh: bool, columns_first: bo
     if not ok:
         return None
     out = torch.empty(C + 3, dtype=torch.float32)
-    _check(lib.hfd_mhc_route_bwd_sums(_ptr(reds), blocks, C, _ptr(out)))
+    _check(lib.hfd_block_sums(_ptr(reds), blocks, C + 3, _ptr(out)))
     dbias, dalpha = out.split_with_sizes((C, 3))
     return dH, dQ, dbias, dalpha
 

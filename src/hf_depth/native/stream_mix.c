@@ -617,6 +617,17 @@ int hfd_hc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *Wa, 
  * n (n + 1) + n + 2] double), summed over the blocks in block order (whatever the threads), into out, in the layouts of
  * the parameters: d W_a [d, n + 1], d w_b [d], d static_alpha [n, n + 1], d static_beta [n], d alpha_scale,
  * d beta_scale (the double sums rounded to float once). */
+/* out[e] = the sum over the blocks, in block order, of the per-block sums reds [blocks, width] (double), rounded to
+ * float once: the scalar parameter gradients of the HC and mHC backwards, whatever the threads */
+int hfd_block_sums(const double *reds, int64_t blocks, int64_t width, float *out) {
+    for (int64_t e = 0; e < width; e++) {
+        double s = reds[e];
+        for (int64_t b = 1; b < blocks; b++) s += reds[b * width + e];
+        out[e] = (float)s;
+    }
+    return 0;
+}
+
 int hfd_hc_route_bwd_sums(const float *dWTs, const double *reds, int64_t blocks, int64_t n, int64_t d, float *out) {
     const int64_t m = n + 1, c = n + 2, nr = n * m + n + 2;
     float *dWa = out, *dwb = out + d * m, *rest = dwb + d;
@@ -627,12 +638,7 @@ int hfd_hc_route_bwd_sums(const float *dWTs, const double *reds, int64_t blocks,
             if (j < m) dWa[k * m + j] = s;
             else dwb[k] = s;
         }
-    for (int64_t e = 0; e < nr; e++) {
-        double s = reds[e];
-        for (int64_t b = 1; b < blocks; b++) s += reds[b * nr + e];
-        rest[e] = (float)s;
-    }
-    return 0;
+    return hfd_block_sums(reds, blocks, nr, rest);
 }
 
 /* the streams after a sublayer from its mixing matrices M [tok, n + 1, n] (rows 1..n mix; smt, smr, smc): the
@@ -733,7 +739,7 @@ int hfd_mhc_route(const float *H, int64_t sht, int64_t shs, float *proj, float *
  *   dH_s = sum_i M[i, s] G_i - k H_s   (the projection's dQ phi^T is the caller's product)
  * and, per block of ``blk`` tokens (a multiple of SK_LANES), the token sums of du (d bias) and of du u by gate
  * (d a0, d a1, d a2), in double: reds [blocks, C + 3], each row added to from zero in token order (a call covers
- * whole blocks: the sums never depend on the threads; hfd_mhc_route_bwd_sums adds the blocks). Layouts: r [tok],
+ * whole blocks: the sums never depend on the threads; hfd_block_sums adds the blocks). Layouts: r [tok],
  * M [tok, n + 1, n] (the forward's), G0 [tok, d] (sgt), G1 [tok, n, d] (sbt, sbr), dpost [tok, n], dH [tok, n, d]
  * and dQ [tok, C] contiguous. */
 /* dH_s = sum_i M[i, s] G_i (rows 1.. first, then row 0) + k H_s for one token, 8 columns at a time */
@@ -826,15 +832,4 @@ int hfd_mhc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *pro
     }
     free(P);
     return status;
-}
-
-/* d bias [C] and d a [3] of hfd_mhc_route_bwd from its per-block sums reds [blocks, C + 3] (double), summed over the
- * blocks in block order (whatever the threads) and rounded to float once, into out [C + 3] */
-int hfd_mhc_route_bwd_sums(const double *reds, int64_t blocks, int64_t C, float *out) {
-    for (int64_t e = 0; e < C + 3; e++) {
-        double s = reds[e];
-        for (int64_t b = 1; b < blocks; b++) s += reds[b * (C + 3) + e];
-        out[e] = (float)s;
-    }
-    return 0;
 }
