@@ -318,6 +318,18 @@ def _routed_model(design: str, layers: int, seed: int, **extra):
     return model
 
 
+def _native_then_eager(run, op: str, monkeypatch, decline: bool = False):
+    """(``run()`` with ``native.<op>`` watched (every call declined with ``decline``), then ``run()`` on the eager
+    path of the streams); the op was called in the first."""
+    calls = []
+    real = getattr(native, op)
+    monkeypatch.setattr(native, op, lambda *a: calls.append(1) or (None if decline else real(*a)))
+    first = run()
+    assert calls
+    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
+    return first, run()
+
+
 def _model_kernels_equal_eager(model, x, ops, to_eager, monkeypatch):
     """The native ``ops`` run (counted) in a training step of ``model`` on ``x``; 2 threads and activation
     checkpointing change no bit of the logits or any parameter gradient; after ``to_eager()`` (the eager form) they
@@ -448,13 +460,7 @@ def test_the_fused_routing_reports_the_weights_it_used(design, monkeypatch):
         model(x, labels=x, use_cache=False).loss.backward()
         return {s: {k: v.clone() for k, v in w.items()} for s, w in model.model.residual_path_weights().items()}
 
-    calls = []
-    real = getattr(native, f"{design}_route")
-    monkeypatch.setattr(native, f"{design}_route", lambda *a: calls.append(1) or real(*a))
-    fused = weights()
-    assert calls
-    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
-    eager = weights()
+    fused, eager = _native_then_eager(weights, f"{design}_route", monkeypatch)
     assert fused.keys() == eager.keys()
     for s in eager:
         assert fused[s].keys() == eager[s].keys() and {"read", "mix", "write", "pre", "res", "post"} <= eager[s].keys()
@@ -667,12 +673,7 @@ def test_a_fused_forward_whose_backward_declines_takes_the_by_hand_steps(design,
         model(x, labels=x, use_cache=False).loss.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    calls = []
-    monkeypatch.setattr(native, op, lambda *a: calls.append(1) and None)
-    declined = grads()
-    assert calls
-    monkeypatch.setattr(depth_ops, "_native_streams", lambda H: False)
-    eager = grads()
+    declined, eager = _native_then_eager(grads, op, monkeypatch, decline=True)
     assert declined.keys() == eager.keys()
     for name in eager:
         scale = max(1.0, eager[name].abs().max().item())
