@@ -4,8 +4,9 @@ For L in ``--layers`` (default 8 16 32 64) at a fixed width:
 
 1. saved activations / Pre-LN: ``hf_depth.diagnostics.cost.activation_bytes`` (bytes autograd saves for
    backward, custom ``autograd.Function`` saves included; deterministic), at ``--mem-hidden/--mem-seq/--mem-batch``;
-2. forward+backward time / Pre-LN at ``--hidden/--seq/--batch`` for L in ``--time-layers`` (designs interleaved,
-   ``--rounds`` rounds, median); on CUDA also the peak allocated memory of one step / Pre-LN's;
+2. forward+backward time / Pre-LN at ``--hidden/--seq/--batch`` for L in ``--time-layers`` (``--rounds`` paired
+   ratios per design, median; the minor page faults of its step); on CUDA also the peak allocated memory of one
+   step / Pre-LN's;
 3. greedy generation time / Pre-LN (KV cache, ``--new-tokens`` tokens after a ``--seq // 2`` prompt) at
    L in ``--gen-layers`` (default 32).
 
@@ -14,11 +15,12 @@ default inductor: generated fused C++ kernels on CPU); the first call of each, w
 (minutes per model at L = 32 on CPU). The issue-12 time targets are eager targets: a compiled run prints its
 ratios but no PASS/FAIL for them.
 
-CPU timings share the machine: run with ``OMP_NUM_THREADS=1``. Every round times each design right after a
-Pre-LN step (a pair) and takes their ratio; the median over ``--rounds`` rounds of those paired ratios is printed,
-so load that drifts between rounds cancels. The issue-12 targets (``MEMORY_CAPS``, ``TIME_TARGETS``, flat memory)
-are checked at the end, one PASS/FAIL line each, next to the analytic FLOP floor of each design's time
-(1 + its extra FLOPs / Pre-LN's, ``diagnostics.cost.prefill_flops``).
+CPU timings share the machine: run with ``OMP_NUM_THREADS=1``. Each design step is timed right after a Pre-LN step
+(a pair) and the ratio taken; the median of ``--rounds`` such paired ratios is printed, so load that drifts
+cancels. The designs are timed one after another, each in its own block of pairs (its steady state, as in a
+training process; ``--round-robin``: every design in each round, see ``paired_ratios``). The issue-12 targets
+(``MEMORY_CAPS``, ``TIME_TARGETS``, flat memory) are checked at the end, one PASS/FAIL line each, next to the
+analytic FLOP floor of each design's time (1 + its extra FLOPs / Pre-LN's, ``diagnostics.cost.prefill_flops``).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py
     python benchmarks/bench_depth_cost.py --designs pre_ln attnres --layers 8 64 --time-layers 32
@@ -62,29 +64,49 @@ def timed(fn, device) -> float:
     return time.perf_counter() - t
 
 
-def interleaved(fns: dict, device, rounds: int) -> dict[str, float]:
-    """Median over ``rounds`` of one call of each fn, the fns interleaved in every round (one warm-up call each)."""
-    for fn in fns.values():
-        fn()
-    times = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            times[k].append(timed(fn, device))
-    return {k: statistics.median(v) for k, v in times.items()}
+def minor_faults() -> int | None:
+    """This process's minor page faults so far (memory the OS hands out fresh: first touches after the heap grew),
+    or None where ``resource`` is not available."""
+    try:
+        import resource
+    except ImportError:  # not on every OS
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def paired_ratios(fns: dict, base: str, device, rounds: int) -> tuple[dict[str, float], float]:
-    """Median over ``rounds`` of t(fn) / t(base), each fn timed right after its own ``base`` step; and the median
-    base time. One warm-up call each."""
-    for fn in fns.values():
-        fn()
-    ratios, base_times = {k: [] for k in fns if k != base}, []
-    for _ in range(rounds):
-        for k in ratios:
-            tb = timed(fns[base], device)
-            ratios[k].append(timed(fns[k], device) / tb)
-            base_times.append(tb)
-    return {k: statistics.median(v) for k, v in ratios.items()}, statistics.median(base_times)
+def paired_ratios(fns: dict, base: str, device, rounds: int, round_robin: bool = False):
+    """(median over ``rounds`` of t(fn) / t(base); the median base time; the median minor page faults of each fn's
+    timed step, None per fn without ``resource``).
+
+    Every timed step follows an untimed step of the same model, as every step of a training process follows one of
+    its own: a pair is base, base (timed), fn, fn (timed), and a step is never timed right after another model's
+    (which leaves its own heap and caches behind: a Pre-LN step right after an HC step took 5-10% longer than one
+    after a Pre-LN step). The designs run one after another, ``rounds`` pairs each, so each is timed in its own steady
+    state: the heap its first steps grew is reused, and its later steps take (almost) no fresh pages.
+    ``round_robin``: every round times every design instead (the schedule of stops 17-40), where each design's step
+    finds the heap that the other designs' steps left: glibc's arena grew and fragmented round after round, and the
+    designs that allocate more paid thousands of page faults per step (the faults column shows it)."""
+    ratios, base_times, faults = {k: [] for k in fns if k != base}, [], {k: [] for k in fns}
+
+    def steady(k) -> tuple[float, int | None]:
+        fns[k]()
+        f0 = minor_faults()
+        t = timed(fns[k], device)
+        return t, None if f0 is None else minor_faults() - f0
+
+    def pair(k):
+        tb, fb = steady(base)
+        t, f = steady(k)
+        ratios[k].append(t / tb)
+        base_times.append(tb)
+        faults[base].append(fb)
+        faults[k].append(f)
+
+    order = [k for _ in range(rounds) for k in ratios] if round_robin else [k for k in ratios for _ in range(rounds)]
+    for k in order:
+        pair(k)
+    return ({k: statistics.median(v) for k, v in ratios.items()}, statistics.median(base_times),
+            {k: None if not v or None in v else int(statistics.median(v)) for k, v in faults.items()})
 
 
 def flop_floor(name, d, L, heads, vocab, T) -> float:
@@ -171,6 +193,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--round-robin", action="store_true",
+                   help="time every design in each round (the earlier schedule; see paired_ratios) instead of one "
+                        "design at a time")
     p.add_argument("--gen-layers", nargs="*", type=int, default=[32])
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--skip-memory", action="store_true")
@@ -216,12 +241,14 @@ def main(argv=None):
         models = {n: build(n, a.hidden, L, a.heads, a.vocab, device).train() for n in designs}
         backend = a.compile_backend if a.compile else None
         steps = {n: fwd_bwd(m, x, backend) for n, m in models.items()}
-        r, base_t = paired_ratios(steps, "pre_ln", device, a.rounds)
-        cols += [f"L={L}", f"FLOP floor L={L}"]
+        r, base_t, faults = paired_ratios(steps, "pre_ln", device, a.rounds, a.round_robin)
+        cols += [f"L={L}", f"FLOP floor L={L}", f"faults/step L={L}"]
         for n in designs[1:]:
             times[(n, L)] = r[n]
             cells[(n, f"L={L}")] = f"{r[n]:.2f}"
             cells[(n, f"FLOP floor L={L}")] = f"{flop_floor(n, a.hidden, L, a.heads, a.vocab, a.seq):.3f}"
+        for n in designs:
+            cells[(n, f"faults/step L={L}")] = "" if faults[n] is None else str(faults[n])
         cells[("pre_ln", f"L={L}")] = f"1.00 ({base_t * 1e3:.0f} ms)"
         if device.type == "cuda":
             peaks = {n: peak_bytes(step, device) for n, step in steps.items()}
@@ -231,8 +258,10 @@ def main(argv=None):
         del models, steps
     if cols:  # ``--time-layers`` with no values: no time table
         regime = f"torch.compile backend={a.compile_backend}; " if a.compile else ""
+        schedule = "every design in each round" if a.round_robin else "one design at a time"
         print(table(f"forward+backward time / Pre-LN ({regime}d={a.hidden}, T={a.seq}, B={a.batch}; median of "
-                    f"{a.rounds} rounds of paired ratios)", designs, cols, cells))
+                    f"{a.rounds} paired ratios, {schedule}; faults: minor page faults of one step)", designs, cols,
+                    cells))
     print(targets(designs, a.layers, mem, {} if a.compile else times))
     if a.compile:
         print("(the issue-12 time targets are eager targets: not checked under --compile)\n")
@@ -242,22 +271,25 @@ def main(argv=None):
 
 def generation_table(designs, a, device) -> str:
     """Greedy generation time / Pre-LN per design (KV cache; ``--gen-hidden`` width, L in ``--gen-layers``,
-    ``--new-tokens`` after a ``--seq // 2`` prompt; designs interleaved, median of ``--rounds`` rounds)."""
+    ``--new-tokens`` after a ``--seq // 2`` prompt; the median of ``--rounds`` paired ratios, scheduled as the
+    forward+backward table's, ``paired_ratios``)."""
     d = a.gen_hidden or a.hidden
     prompt = torch.randint(2, a.vocab, (a.batch, max(1, a.seq // 2)), device=device)
     cells, cols = {}, []
     for L in a.gen_layers:
         models = {n: build(n, d, L, a.heads, a.vocab, device).eval() for n in designs}
-        t = interleaved({n: generate(m, prompt, a.new_tokens) for n, m in models.items()}, device, a.rounds)
+        runs = {n: generate(m, prompt, a.new_tokens) for n, m in models.items()}
+        r, base_t, _ = paired_ratios(runs, "pre_ln", device, a.rounds, a.round_robin)
         cols.append(f"L={L}")
-        for n in designs:
-            cells[(n, f"L={L}")] = f"{t[n] / t['pre_ln']:.2f}"
-        cells[("pre_ln", f"L={L}")] = f"1.00 ({t['pre_ln'] * 1e3:.0f} ms)"
-        del models
+        for n in designs[1:]:
+            cells[(n, f"L={L}")] = f"{r[n]:.2f}"
+        cells[("pre_ln", f"L={L}")] = f"1.00 ({base_t * 1e3:.0f} ms)"
+        del models, runs
     if not cols:  # ``--gen-layers`` with no values: no generation table
         return ""
+    schedule = "every design in each round" if a.round_robin else "one design at a time"
     return table(f"greedy generation time / Pre-LN (d={d}, B={a.batch}, prompt {prompt.shape[1]}, "
-                 f"{a.new_tokens} new tokens; median of {a.rounds} interleaved rounds)", designs, cols, cells)
+                 f"{a.new_tokens} new tokens; median of {a.rounds} paired ratios, {schedule})", designs, cols, cells)
 
 
 if __name__ == "__main__":

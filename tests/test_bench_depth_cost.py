@@ -1,0 +1,59 @@
+"""The depth-cost benchmark's schedule and tables (no timing is asserted: benchmarks are never timed tests)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_depth_cost
+    finally:
+        sys.path.remove(str(BENCH))
+    return bench_depth_cost
+
+
+def recording(names):
+    calls = []
+    return calls, {n: (lambda n=n: calls.append(n)) for n in names}
+
+
+@pytest.mark.parametrize("round_robin", [False, True])
+def test_every_timed_step_follows_a_step_of_its_own_model(bench, round_robin):
+    calls, fns = recording(["base", "a", "b"])
+    ratios, base_t, faults = bench.paired_ratios(fns, "base", torch.device("cpu"), 3, round_robin)
+    pair = {k: [k, k] for k in fns}
+    one_at_a_time = [c for k in ("a", "b") for _ in range(3) for c in pair["base"] + pair[k]]
+    every_round = [c for _ in range(3) for k in ("a", "b") for c in pair["base"] + pair[k]]
+    assert calls == (every_round if round_robin else one_at_a_time)
+    assert set(ratios) == {"a", "b"} and all(r > 0 for r in ratios.values()) and base_t > 0
+    assert set(faults) == {"base", "a", "b"}
+    assert all(f is None or (isinstance(f, int) and f >= 0) for f in faults.values())
+
+
+def test_minor_faults_count_first_touches(bench):
+    before = bench.minor_faults()
+    if before is None:
+        pytest.skip("no resource module on this OS")
+    buf = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MB: mmapped fresh, its pages touched by the fill
+    buf.fill_(1)
+    assert bench.minor_faults() - before >= 16  # 16384 with 4 KB pages, 32 with 2 MB huge pages
+
+
+def test_tables_print_the_schedule_and_faults(bench, capsys):
+    bench.main(["--designs", "pre_ln", "hc", "--layers", "1", "2", "--mem-hidden", "32", "--mem-seq", "8",
+                "--time-layers", "2", "--hidden", "32", "--seq", "8", "--vocab", "64", "--rounds", "1",
+                "--gen-layers", "1", "--new-tokens", "2"])
+    out = capsys.readouterr().out
+    assert "1 paired ratios, one design at a time; faults: minor page faults of one step" in out
+    assert "| design | L=2 | FLOP floor L=2 | faults/step L=2 |" in out
+    assert "| hc | saved <= 1.35 at every L |" in out
+    assert "greedy generation time / Pre-LN" in out and "one design at a time)" in out
