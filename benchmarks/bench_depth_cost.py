@@ -16,8 +16,8 @@ default inductor: generated fused C++ kernels on CPU); the first call of each, w
 ratios but no PASS/FAIL for them.
 
 CPU timings share the machine: run with ``OMP_NUM_THREADS=1``. Each design step is timed right after a Pre-LN step
-(a pair) and the ratio taken; the median of ``--rounds`` such paired ratios is printed, so load that drifts
-cancels. The designs are timed one after another, each in its own block of pairs (its steady state, as in a
+(a pair) and the ratio taken; the median of ``--rounds`` such paired ratios is printed, with their interquartile
+range (the machine's spread: a target inside it is met or missed by noise), so load that drifts cancels. The designs are timed one after another, each in its own block of pairs (its steady state, as in a
 training process; ``--round-robin``: every design in each round, see ``paired_ratios``). The issue-12 targets
 (``MEMORY_CAPS``, ``TIME_TARGETS``, flat memory) are checked at the end, one PASS/FAIL line each, next to the
 analytic FLOP floor of each design's time (1 + its extra FLOPs / Pre-LN's, ``diagnostics.cost.prefill_flops``).
@@ -74,9 +74,18 @@ def minor_faults() -> int | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def quartiles(xs) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``xs`` (inclusive method; one value: itself three times)."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def paired_ratios(fns: dict, base: str, device, rounds: int, round_robin: bool = False):
-    """(median over ``rounds`` of t(fn) / t(base); the median base time; the median minor page faults of each fn's
-    timed step, None per fn without ``resource``).
+    """(the quartiles of t(fn) / t(base) over ``rounds`` pairs, ``quartiles``: the median and the spread the machine
+    gave it; the median base time; the median minor page faults of each fn's timed step, None per fn without
+    ``resource``).
 
     Every timed step follows an untimed step of the same model, as every step of a training process follows one of
     its own: a pair is base, base (timed), fn, fn (timed), and a step is never timed right after another model's
@@ -105,7 +114,7 @@ def paired_ratios(fns: dict, base: str, device, rounds: int, round_robin: bool =
     order = [k for _ in range(rounds) for k in ratios] if round_robin else [k for k in ratios for _ in range(rounds)]
     for k in order:
         pair(k)
-    return ({k: statistics.median(v) for k, v in ratios.items()}, statistics.median(base_times),
+    return ({k: quartiles(v) for k, v in ratios.items()}, statistics.median(base_times),
             {k: None if not v or None in v else int(statistics.median(v)) for k, v in faults.items()})
 
 
@@ -172,8 +181,9 @@ def targets(designs, layers, mem, times) -> str:
             worst = max(mem[(n, L)] for L in layers)
             rows.append((n, f"saved <= {MEMORY_CAPS[n]:.2f} at every L", f"{worst:.2f}", worst <= MEMORY_CAPS[n]))
         if n in TIME_TARGETS and (n, TIME_TARGET_LAYERS) in times:
-            t = times[(n, TIME_TARGET_LAYERS)]
-            rows.append((n, f"time L={TIME_TARGET_LAYERS} <= {TIME_TARGETS[n]:.2f}", f"{t:.2f}", t <= TIME_TARGETS[n]))
+            q1, t, q3 = times[(n, TIME_TARGET_LAYERS)]
+            rows.append((n, f"time L={TIME_TARGET_LAYERS} <= {TIME_TARGETS[n]:.2f}", f"{t:.2f} (IQR {q1:.2f}-{q3:.2f})",
+                         t <= TIME_TARGETS[n]))
     lines = ["### issue-12 targets", "", "| design | target | measured | |", "|---|---|---:|---|"]
     lines += [f"| {n} | {what} | {got} | {'PASS' if ok else 'FAIL'} |" for n, what, got, ok in rows]
     return "\n".join(lines) + "\n"
@@ -242,10 +252,11 @@ def main(argv=None):
         backend = a.compile_backend if a.compile else None
         steps = {n: fwd_bwd(m, x, backend) for n, m in models.items()}
         r, base_t, faults = paired_ratios(steps, "pre_ln", device, a.rounds, a.round_robin)
-        cols += [f"L={L}", f"FLOP floor L={L}", f"faults/step L={L}"]
+        cols += [f"L={L}", f"IQR L={L}", f"FLOP floor L={L}", f"faults/step L={L}"]
         for n in designs[1:]:
             times[(n, L)] = r[n]
-            cells[(n, f"L={L}")] = f"{r[n]:.2f}"
+            cells[(n, f"L={L}")] = f"{r[n][1]:.2f}"
+            cells[(n, f"IQR L={L}")] = f"{r[n][0]:.2f}-{r[n][2]:.2f}"
             cells[(n, f"FLOP floor L={L}")] = f"{flop_floor(n, a.hidden, L, a.heads, a.vocab, a.seq):.3f}"
         for n in designs:
             cells[(n, f"faults/step L={L}")] = "" if faults[n] is None else str(faults[n])
@@ -259,8 +270,9 @@ def main(argv=None):
     if cols:  # ``--time-layers`` with no values: no time table
         regime = f"torch.compile backend={a.compile_backend}; " if a.compile else ""
         schedule = "every design in each round" if a.round_robin else "one design at a time"
-        print(table(f"forward+backward time / Pre-LN ({regime}d={a.hidden}, T={a.seq}, B={a.batch}; median of "
-                    f"{a.rounds} paired ratios, {schedule}; faults: minor page faults of one step)", designs, cols,
+        print(table(f"forward+backward time / Pre-LN ({regime}d={a.hidden}, T={a.seq}, B={a.batch}; median and "
+                    f"interquartile range of {a.rounds} paired ratios, {schedule}; faults: minor page faults of one "
+                    "step)", designs, cols,
                     cells))
     print(targets(designs, a.layers, mem, {} if a.compile else times))
     if a.compile:
@@ -282,14 +294,15 @@ def generation_table(designs, a, device) -> str:
         r, base_t, _ = paired_ratios(runs, "pre_ln", device, a.rounds, a.round_robin)
         cols.append(f"L={L}")
         for n in designs[1:]:
-            cells[(n, f"L={L}")] = f"{r[n]:.2f}"
+            cells[(n, f"L={L}")] = f"{r[n][1]:.2f} ({r[n][0]:.2f}-{r[n][2]:.2f})"
         cells[("pre_ln", f"L={L}")] = f"1.00 ({base_t * 1e3:.0f} ms)"
         del models, runs
     if not cols:  # ``--gen-layers`` with no values: no generation table
         return ""
     schedule = "every design in each round" if a.round_robin else "one design at a time"
     return table(f"greedy generation time / Pre-LN (d={d}, B={a.batch}, prompt {prompt.shape[1]}, "
-                 f"{a.new_tokens} new tokens; median of {a.rounds} paired ratios, {schedule})", designs, cols, cells)
+                 f"{a.new_tokens} new tokens; median (interquartile range) of {a.rounds} paired ratios, {schedule})",
+                 designs, cols, cells)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ def test_every_timed_step_follows_a_step_of_its_own_model(bench, round_robin):
     one_at_a_time = [c for k in ("a", "b") for _ in range(3) for c in pair["base"] + pair[k]]
     every_round = [c for _ in range(3) for k in ("a", "b") for c in pair["base"] + pair[k]]
     assert calls == (every_round if round_robin else one_at_a_time)
-    assert set(ratios) == {"a", "b"} and all(r > 0 for r in ratios.values()) and base_t > 0
+    assert set(ratios) == {"a", "b"} and base_t > 0
+    assert all(0 < q1 <= med <= q3 for q1, med, q3 in ratios.values())
     assert set(faults) == {"base", "a", "b"}
     assert all(f is None or (isinstance(f, int) and f >= 0) for f in faults.values())
 
@@ -50,10 +51,17 @@ def test_minor_faults_count_first_touches(bench):
 
 def test_tables_print_the_schedule_and_faults(bench, capsys):
     bench.main(["--designs", "pre_ln", "hc", "--layers", "1", "2", "--mem-hidden", "32", "--mem-seq", "8",
-                "--time-layers", "2", "--hidden", "32", "--seq", "8", "--vocab", "64", "--rounds", "1",
+                "--time-layers", "2", "--hidden", "32", "--seq", "8", "--vocab", "64", "--rounds", "2",
                 "--gen-layers", "1", "--new-tokens", "2"])
     out = capsys.readouterr().out
-    assert "1 paired ratios, one design at a time; faults: minor page faults of one step" in out
-    assert "| design | L=2 | FLOP floor L=2 | faults/step L=2 |" in out
+    assert "interquartile range of 2 paired ratios, one design at a time; faults: minor page faults of one step" in out
+    assert "| design | L=2 | IQR L=2 | FLOP floor L=2 | faults/step L=2 |" in out
     assert "| hc | saved <= 1.35 at every L |" in out
     assert "greedy generation time / Pre-LN" in out and "one design at a time)" in out
+
+
+def test_quartiles_are_the_median_and_its_spread(bench):
+    assert bench.quartiles([1.3]) == (1.3, 1.3, 1.3)
+    values = [1.10, 1.30, 1.20, 1.50, 1.25]
+    q1, med, q3 = bench.quartiles(values)
+    assert med == pytest.approx(1.25) and (q1, q3) == (pytest.approx(1.20), pytest.approx(1.30))
