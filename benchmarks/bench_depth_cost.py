@@ -17,8 +17,9 @@ ratios but no PASS/FAIL for them.
 
 CPU timings share the machine: run with ``OMP_NUM_THREADS=1``. Each design step is timed right after a Pre-LN step
 (a pair) and the ratio taken; the median of ``--rounds`` such paired ratios is printed, with their interquartile
-range (the machine's spread: a target inside it is met or missed by noise), so load that drifts cancels. The designs are timed one after another, each in its own block of pairs (its steady state, as in a
-training process; ``--round-robin``: every design in each round, see ``paired_ratios``). The issue-12 targets
+range (the machine's spread: a target inside it is met or missed by noise), so load that drifts cancels. The
+designs are timed one after another, each in its own block of pairs (its steady state, as in a training process;
+``--round-robin``: every design in each round, see ``paired_ratios``). The issue-12 targets
 (``MEMORY_CAPS``, ``TIME_TARGETS``, flat memory) are checked at the end, one PASS/FAIL line each, next to the
 analytic FLOP floor of each design's time (1 + its extra FLOPs / Pre-LN's, ``diagnostics.cost.prefill_flops``).
 
@@ -33,6 +34,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
+try:
+    import resource
+except ImportError:  # not on every OS: no page-fault counts
+    resource = None
 
 import torch
 from _timing import sync
@@ -67,11 +73,7 @@ def timed(fn, device) -> float:
 def minor_faults() -> int | None:
     """This process's minor page faults so far (memory the OS hands out fresh: first touches after the heap grew),
     or None where ``resource`` is not available."""
-    try:
-        import resource
-    except ImportError:  # not on every OS
-        return None
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def quartiles(xs) -> tuple[float, float, float]:
@@ -80,6 +82,11 @@ def quartiles(xs) -> tuple[float, float, float]:
         return xs[0], xs[0], xs[0]
     q1, q2, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     return q1, q2, q3
+
+
+def schedule_name(round_robin: bool) -> str:
+    """How ``paired_ratios`` ordered the pairs, as the tables' titles say it."""
+    return "every design in each round" if round_robin else "one design at a time"
 
 
 def paired_ratios(fns: dict, base: str, device, rounds: int, round_robin: bool = False):
@@ -269,11 +276,9 @@ def main(argv=None):
         del models, steps
     if cols:  # ``--time-layers`` with no values: no time table
         regime = f"torch.compile backend={a.compile_backend}; " if a.compile else ""
-        schedule = "every design in each round" if a.round_robin else "one design at a time"
         print(table(f"forward+backward time / Pre-LN ({regime}d={a.hidden}, T={a.seq}, B={a.batch}; median and "
-                    f"interquartile range of {a.rounds} paired ratios, {schedule}; faults: minor page faults of one "
-                    "step)", designs, cols,
-                    cells))
+                    f"interquartile range of {a.rounds} paired ratios, {schedule_name(a.round_robin)}; faults: minor "
+                    "page faults of one step)", designs, cols, cells))
     print(targets(designs, a.layers, mem, {} if a.compile else times))
     if a.compile:
         print("(the issue-12 time targets are eager targets: not checked under --compile)\n")
@@ -299,10 +304,9 @@ def generation_table(designs, a, device) -> str:
         del models, runs
     if not cols:  # ``--gen-layers`` with no values: no generation table
         return ""
-    schedule = "every design in each round" if a.round_robin else "one design at a time"
     return table(f"greedy generation time / Pre-LN (d={d}, B={a.batch}, prompt {prompt.shape[1]}, "
-                 f"{a.new_tokens} new tokens; median (interquartile range) of {a.rounds} paired ratios, {schedule})",
-                 designs, cols, cells)
+                 f"{a.new_tokens} new tokens; median (interquartile range) of {a.rounds} paired ratios, "
+                 f"{schedule_name(a.round_robin)})", designs, cols, cells)
 
 
 if __name__ == "__main__":
