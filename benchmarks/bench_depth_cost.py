@@ -224,6 +224,8 @@ def main(argv=None):
     p.add_argument("--compile-backend", default="inductor",
                    help="torch.compile backend for --compile (one of torch._dynamo.list_backends(exclude_tags=()))")
     a = p.parse_args(argv)
+    if a.rounds < 1:  # before any model is built: paired_ratios takes the quartiles of at least one ratio
+        p.error(f"--rounds: must be at least 1 (paired ratios per design), got {a.rounds}")
     if a.compile:  # before any model is built or measured: a wrong name costs nothing
         try:
             torch._dynamo.lookup_backend(a.compile_backend)

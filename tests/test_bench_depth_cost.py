@@ -65,3 +65,11 @@ def test_quartiles_are_the_median_and_its_spread(bench):
     values = [1.10, 1.30, 1.20, 1.50, 1.25]
     q1, med, q3 = bench.quartiles(values)
     assert med == pytest.approx(1.25) and (q1, q3) == (pytest.approx(1.20), pytest.approx(1.30))
+
+
+@pytest.mark.parametrize("rounds", ["0", "-2"])
+def test_rounds_below_one_is_refused_before_any_model(bench, capsys, rounds):
+    with pytest.raises(SystemExit):
+        bench.main(["--rounds", rounds])
+    err = capsys.readouterr().err
+    assert f"--rounds: must be at least 1 (paired ratios per design), got {rounds}" in err
