@@ -171,8 +171,8 @@ def test_slot_gradients_accumulate_once_per_backward(design):
         grads_seen.append(buf.data_ptr())
         return buf
 
-    def spy_records(self, *args):  # MoDA's native kernel: the per-backward record of its consumers instead of the buffer
-        recs = real_records(self, *args)
+    def spy_records(self, *args, **kwargs):  # the native kernels: the per-backward record of their consumers
+        recs = real_records(self, *args, **kwargs)
         grads_seen.append(id(recs))
         return recs
 

@@ -739,6 +739,13 @@ def test_aggregation_kernels_equal_the_equations(K, N, d, partial):
         _close(a, ref["a"].float())
     else:
         assert dP is None and a is None
+    # the deferred form: no accumulator, the weights written slot-major for a later sum (the same logit gradients)
+    PW, DZp = torch.full((K + 2, N), float("nan")), torch.full((K, N), float("nan"))
+    deferred = native.agg_backward(z, V, P, qg, rp, zp, dout, DZp, None, PW[1:K + 1])
+    assert torch.equal(DZp, DZ[1, :K])
+    assert all(x is None and y is None or torch.equal(x, y) for x, y in zip((dP, a), deferred))
+    _close(PW[1:K + 1], ref["p"][:, :K].t().float())
+    assert torch.isnan(PW[0]).all() and torch.isnan(PW[K + 1]).all()
     before = torch.get_num_threads()
     try:  # tokens split over threads: the same bits
         torch.set_num_threads(2)
@@ -768,7 +775,68 @@ def test_aggregation_kernels_decline_what_they_do_not_take():
     assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d).t().contiguous().t(), DZ, dV) is None
     assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d), DZ, dV.double()) is None
     assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d), DZ[:, :-1], dV) is None
+    assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d), DZ, None) is None  # neither dV nor PW
+    assert native.agg_backward(z, V, P, qg, rp, zp, torch.randn(N, d), DZ, None, torch.zeros(K, N + 1)) is None
     assert not dV.any() and not DZ.any()  # a declined call writes nothing
+
+
+@pytest.mark.parametrize("group", [1, 3, 8, 100])
+@pytest.mark.parametrize("pattern", ["full", "block"])
+def test_grouped_slot_grads_sum_every_consumer_once(group, pattern):
+    """``SlotGrads`` with an accumulator (AttnRes' bank gradients), driven as a backward drives it: consumers in
+    reverse forward order, each adding its (weights, x) and, where it is a slot's first reader, asking for the slots
+    it wrote; some consumers add into the accumulator themselves (the eager form). Every handed-on slot equals the
+    float64 sum of every consumer's part (K no multiple of 4, d no multiple of 8); a slot handed on never changes
+    again; at most ``group`` records are held at any time."""
+    g = torch.Generator().manual_seed(group)
+    cap, N, d = 11, 37, 21
+    if pattern == "full":  # consumer c reads slots 0..c and wrote slot c
+        reads, wrote = [c + 1 for c in range(cap)], [(c, c + 1) for c in range(cap)]
+    else:  # blocks: a block's consumers read the same slots; its first consumer wrote the new one
+        reads = [1, 1, 2, 2, 2, 4, 4, 7, 7, 7, 7, 9]
+        wrote = [(0, 1), None, (1, 2), None, None, (2, 4), None, (4, 7), None, None, None, (7, 9)]
+    into = torch.zeros(cap, 1, 1, N, d)
+    recs = native.SlotGrads(into.shape, into=into, group=group)
+    want = torch.zeros(cap, N, d, dtype=torch.float64)
+    handed, held = {}, []
+    for c in reversed(range(len(reads))):
+        K = reads[c]
+        w, x = torch.rand(K, 1, 1, N, generator=g), torch.randn(1, 1, N, d, generator=g)
+        want[:K] += w.double().view(K, N, 1) * x.double().view(1, N, d)
+        if c % 3 == 1:  # an eager consumer: its part straight into the accumulator
+            into[:K] += (w.view(K, N, 1) * x.view(1, N, d)).view(K, 1, 1, N, d)
+        else:
+            recs.add(w, x)
+        held.append(len(recs.keep))
+        if wrote[c] is not None:
+            lo, hi = wrote[c]
+            got = recs.grads(lo, hi)
+            assert got.data_ptr() == into[lo].data_ptr()  # the accumulator's own rows
+            for j in range(lo, hi):
+                handed[j] = got[j - lo].clone()
+    assert max(held) <= group
+    assert sorted(handed) == list(range(max(r for r in reads)))
+    for j, t in handed.items():
+        torch.testing.assert_close(t.view(N, d).double(), want[j], atol=1e-5, rtol=1e-5, msg=f"slot {j}")
+        assert torch.equal(into[j], t)  # never added to after it was handed on
+
+
+def test_slot_grads_refuse_a_wrong_accumulator():
+    with pytest.raises(ValueError, match="into must be a contiguous fp32"):
+        native.SlotGrads((4, 1, 1, 5, 8), into=torch.zeros(4, 1, 1, 5, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="group >= 1"):
+        native.SlotGrads((4, 1, 1, 5, 8), into=torch.zeros(4, 1, 1, 5, 8), group=0)
+
+
+@pytest.mark.parametrize("design", ["attnres", "block_attnres"])
+@pytest.mark.parametrize("group", [1, 3])
+def test_model_bank_gradient_groups_equal_eager(design, group, monkeypatch):
+    """AttnRes' bank gradients summed by groups of ``group`` native consumers (a flush after every consumer, and
+    flushes that fall between slots' hand-overs) give the eager form's logits and gradients at fp32 rounding, with
+    2 threads and activation checkpointing bit for bit."""
+    monkeypatch.setattr(depth_ops, "AGG_GROUP", group)
+    model = tiny_model(design, num_hidden_layers=7, **({"attnres_block_size": 3} if design == "block_attnres" else {}))
+    _aggregation_model_equals_eager(model, 5, monkeypatch)
 
 
 def test_the_slot_write_kernel_copies_and_normalizes():
@@ -802,13 +870,17 @@ def test_model_aggregation_kernels_equal_eager(design, extra, layers, monkeypatc
     which would hide a softmax error): logits and every parameter gradient equal the eager form's at fp32 rounding;
     neither the thread count nor activation checkpointing changes a bit."""
     extra = {k: min(v, 2 * layers) for k, v in extra.items()}  # a block holds at most every sublayer
-    model = tiny_model(design, num_hidden_layers=layers, **extra)
+    _aggregation_model_equals_eager(tiny_model(design, num_hidden_layers=layers, **extra), 3, monkeypatch)
+
+
+def _aggregation_model_equals_eager(model, seed: int, monkeypatch):
+    """``_model_kernels_equal_eager`` for AttnRes' aggregation kernels, queries and key norms moved off their init."""
     with torch.no_grad():
         g = torch.Generator().manual_seed(7)
         for name, p in model.named_parameters():
             if "query" in name or "key_norm" in name:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    x = torch.randint(2, 97, (4, 40), generator=torch.Generator().manual_seed(3))
+    x = torch.randint(2, 97, (4, 40), generator=torch.Generator().manual_seed(seed))
     ops = ("agg_forward", "agg_backward")
 
     def to_eager():

@@ -49,6 +49,9 @@ from .functional import (
 )
 
 _BANK_ATTR = "_hf_depth_bank"
+#: AttnRes' native consumers per group of bank-gradient records (``SourceBank.records``): each slot's accumulator row
+#: is read and written once per group instead of once per consumer, for this many [N, d] output gradients held
+AGG_GROUP = 8
 
 
 class SourceBank:
@@ -115,23 +118,34 @@ class SourceBank:
             self._grad = (task, torch.zeros(self.data.shape, dtype=dtype, device=self.data.device))
         return self._grad[1]
 
-    def records(self):
-        """The running backward's ``native.SlotGrads``: each native MoDA consumer leaves its (weights, x) there
-        instead of adding ``weights[j] x`` into every slot j of ``grad`` (a read and a write of the bank per
-        consumer), and ``slot_grads`` sums each slot once, for its first reader."""
+    def records(self, grouped: bool = False):
+        """The running backward's ``native.SlotGrads``: each native consumer leaves its (weights, x) there instead of
+        adding ``weights[j] x`` into every slot j of ``grad`` (a read and a write of the bank per consumer), and
+        ``slot_grads`` sums each slot for its first reader. MoDA keeps every record (each slot summed once);
+        ``grouped`` (AttnRes, whose consumers' output gradients are not otherwise kept) adds each group of records
+        into ``grad`` (fp32) in one pass, so at most a group is held, whatever the depth."""
         task = torch._C._current_graph_task_id()
         if self._records is None or self._records[0] != task:
-            self._records = (task, native.SlotGrads(self.data.shape))
+            if grouped:  # the bank's rows as one [N, d] plane: B = H = 1, the tokens as T
+                cap, d = self.data.shape[0], self.data.shape[-1]
+                shape = (cap, 1, 1, self.data[0].numel() // d, d)
+                recs = native.SlotGrads(shape, into=self.grad(torch.float32).view(shape), group=AGG_GROUP)
+            else:
+                recs = native.SlotGrads(self.data.shape)
+            self._records = (task, recs)
         return self._records[1]
 
     def slot_grads(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
         """Slots [lo, hi)'s total gradient in the running backward: the native consumers' records (summed once)
-        plus what eager consumers added into ``grad``."""
+        plus what eager consumers added into ``grad`` (``grad``'s own rows where the records add into it)."""
         task = torch._C._current_graph_task_id()
         recs = self._records[1] if self._records is not None and self._records[0] == task else None
         acc = self._grad[1][lo:hi] if self._grad is not None and self._grad[0] == task else None
         if recs is None:
             return self.grad(dtype)[lo:hi] if acc is None else acc
+        if recs.into is not None:  # the records add into ``grad``: its own rows
+            recs.grads(lo, hi)
+            return acc
         out = recs.grads(lo, hi)
         return out if acc is None else out.add_(acc)
 
@@ -405,12 +419,15 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         qc = two.qg_rows[col]
         z = Zr[col][:K]
         Pa = None if partial is None else partial.reshape(-1, d).to(acc)
-        dV = bank.grad(acc)[:K].view(K, -1, d)
         fused = None
-        if dout is not None and _native_ok():  # softmax, logit grads, dV and the partial's gradient in one pass
-            fused = native.agg_backward(z, Va, Pa, qc, rp, zp, dout.reshape(-1, d).to(acc).contiguous(), DZr[col][:K],
-                                        dV)
+        if dout is not None and _native_ok():  # softmax, logit grads and the partial's gradient in one pass
+            do = dout.reshape(-1, d).to(acc).contiguous()
+            pw = Va.new_empty(K, Va.shape[1])  # the weights: their p_k do is summed by groups of consumers
+            fused = native.agg_backward(z, Va, Pa, qc, rp, zp, do, DZr[col][:K], None, pw)
+            if fused is not None:
+                bank.records(grouped=True).add(pw.view(K, 1, 1, -1), do.view(1, 1, *do.shape))
         if fused is None:
+            dV = bank.grad(acc)[:K].view(K, -1, d)
             if Pa is not None:
                 z = torch.cat((z, zp.unsqueeze(0)))
             p = torch.softmax(z, dim=0)
@@ -424,17 +441,18 @@ class _TwoPhaseAggregate(torch.autograd.Function):
         if Pa is not None:
             dpartial = dpartial.to(partial.dtype).view_as(partial)
             DQr[col].addmv_(Pa.t(), a)
-        if fresh < K:  # the slots this call wrote: every consumer's logit gradient is in now
+        grads = ()
+        if fresh < K:  # the slots this call wrote: every consumer's logit gradient (and p_k do) is in now
             rf = r.reshape(K, -1)[fresh:]
             dzs = DZ[col:, fresh:K]  # [C - col, n, N]: only this and later consumers read these slots
             A = dzs * rf  # d z / d v = r qg - (z r^2 / d) v
             B = -(dzs * Z[col:, fresh:K]).sum(0) * rf * rf / d
             A = A.reshape(A.shape[0], -1)
-            dV[fresh:].add_((A.t() @ two.qg_d[col:]).view(K - fresh, -1, d))
-            dV[fresh:].addcmul_(B.unsqueeze(-1), Va[fresh:])
+            dV = bank.slot_grads(fresh, K, acc).view(K - fresh, -1, d)
+            dV.add_((A.t() @ two.qg_d[col:]).view(K - fresh, -1, d))
+            dV.addcmul_(B.unsqueeze(-1), Va[fresh:])
             DQ[col:].addmm_(A, Va[fresh:].reshape(-1, d))
-        dV = dV.view(V.shape)
-        grads = tuple(dV[i].to(V.dtype) for i in range(fresh, K))
+            grads = tuple(g.to(V.dtype) for g in dV.view(K - fresh, *V.shape[1:]).unbind(0))
         dqg = None
         if fresh == 0:  # the first consumer, the last backward of this graph task: the queries' whole gradient
             dqg = DQ
@@ -483,9 +501,12 @@ class _DepthAggregate(torch.autograd.Function):
             dpartial = dpartial.to(partial.dtype).view_as(partial)
         dq = None if not ctx.needs_input_grad[0] else (dqg if g32 is None else dqg * g32).to(query.dtype)
         dw = None if key_weight is None or not ctx.needs_input_grad[1] else (dqg * q32).to(key_weight.dtype)
-        dV = dV.view(V.shape)
-        # with a bank, only the slots this call wrote: their gradient is complete now (see ``SourceBank.grad``)
-        grads = tuple(dV[i].to(V.dtype) for i in range(ctx.fresh, K))
+        # with a bank, only the slots this call wrote: their gradient is complete now (see ``SourceBank.grad``), with
+        # what native consumers' records still hold
+        if bank is not None:
+            dV = bank.slot_grads(ctx.fresh, K, acc)
+        dV = dV.view(K - ctx.fresh, *V.shape[1:])
+        grads = tuple(g.to(V.dtype) for g in dV.unbind(0))
         if bank is not None and ctx.fresh == 0:
             bank.release_grad()
         return (dq, dw, None, None, None, dpartial, None, *grads)

@@ -148,7 +148,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     P, N, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float  # pointer, integer, float
     lib.hfd_moda_depth_fwd.argtypes = [P, P, P, P, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
     lib.hfd_moda_depth_bwd.argtypes = [P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, P, N, N, N, N, N, N, F, N, N]
-    lib.hfd_moda_slot_grads.argtypes = [N, P, P, P, P, P, N, N, N, N, N, N, N, N, N]
+    lib.hfd_moda_slot_grads.argtypes = [N, P, P, P, P, P, N, N, N, N, N, N, N, N, N, N]
     lib.hfd_stream_mix.argtypes = [P, N, N, N, P, N, N, P, P, N, N, N, N, N, N]
     lib.hfd_stream_mix_bwd.argtypes = [P, N, N, N, P, N, N, P, N, N, P, N, N, P, P, N, N, N, N, N, N]
     lib.hfd_stream_write_bwd.argtypes = [P, N, N, P, N, N, P, N, P, P, N, N, N, N]
@@ -165,7 +165,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_hc_route_bwd_sums.argtypes = [P, P, N, N, N, P]
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
     lib.hfd_slot_write.argtypes = [P, N, P, P, F, N, N, N]
-    lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, P, N, N, N]
+    lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, N, P, P, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
@@ -272,13 +272,31 @@ def moda_depth_backward(q, dout, dq, K, V, o, lse, live, scaling: float) -> tupl
 
 class SlotGrads:
     """The depth-slot gradients of one bank in one backward: each native consumer ``add`` s its (weights
-    [D_i, B, H, T], x [B, H, T, hd]) -- (dd, q) for keys, (p, dO) for values -- and a slot's first reader asks
-    ``grads(lo, hi)``: sum_i sum_(heads of a kv head) weights_i[j] x_i for slots [lo, hi), written once into views of
-    one [capacity, B, Hkv, T, hd] fp32 buffer (no per-consumer read and write of the whole gradient bank)."""
+    [D_i, B, H, T], x [B, H, T, hd]) -- (dd, q) for keys, (p, dO) for values (MoDA); (p, dO) with B = H = 1 and the
+    tokens as T (AttnRes) -- and a slot's first reader asks ``grads(lo, hi)``: sum_i sum_(heads of a kv head)
+    weights_i[j] x_i for slots [lo, hi) (no per-consumer read and write of the whole gradient bank).
 
-    def __init__(self, bank_shape):
+    Without ``into``, every record is kept until its slots are asked for, and each slot is written once into a view
+    of one [capacity, B, Hkv, T, hd] fp32 buffer (MoDA: its consumers' q is saved for backward anyway). With ``into``
+    (the bank's gradient accumulator, [capacity, B, Hkv, T, hd] fp32 contiguous, where eager consumers add in place),
+    at most ``group`` records are pending: the group is then added into the accumulator in one pass (each slot row
+    read and written once per group, not once per consumer), and ``grads`` adds the pending records' part of slots
+    [lo, hi) and returns the accumulator's rows. Slots handed on are never added to again (a consumer whose backward
+    runs later reads only earlier slots), so a flush stops below the lowest slot handed on: extra memory is
+    ``group`` records, whatever the depth."""
+
+    def __init__(self, bank_shape, into: torch.Tensor | None = None, group: int = 8):
         self.shape = tuple(bank_shape)
-        self.out = None
+        if into is not None and (tuple(into.shape) != self.shape or not into.is_contiguous()
+                                 or into.dtype != torch.float32 or group < 1):
+            raise ValueError(f"SlotGrads: into must be a contiguous fp32 {list(self.shape)} accumulator and "
+                             f"group >= 1, got {list(into.shape)} {into.dtype} and group {group}")
+        self.into, self.group = into, group
+        self.out = into
+        self.limit = self.shape[0]  # slots [limit, capacity) are handed on: never added to again
+        self._clear()
+
+    def _clear(self) -> None:
         self.keep, self.w, self.x, self.n_slots, self.strides = [], [], [], [], []
 
     def add(self, w: torch.Tensor, x: torch.Tensor) -> None:
@@ -293,23 +311,36 @@ class SlotGrads:
         self.x.append(x.data_ptr())
         self.n_slots.append(w.shape[0])
         self.strides.extend(x.stride())
+        if self.into is not None and len(self.keep) >= self.group:
+            self._sum(0, min(self.limit, max(self.n_slots)), accumulate=True)
+            self._clear()
 
     def grads(self, lo: int, hi: int) -> torch.Tensor:
         """[hi - lo, B, Hkv, T, hd] fp32, a view of the buffer (zeros for a slot no consumer read)."""
-        _, B, Hkv, T, hd = self.shape
         if self.out is None:
             self.out = torch.empty(self.shape, dtype=torch.float32)
         G = self.out[lo:hi]
-        if hi <= lo:
-            return G
-        if not self.keep:
-            return G.zero_()
+        if self.into is not None:
+            self._sum(lo, hi, accumulate=True)
+            self.limit = min(self.limit, lo)
+        elif hi > lo:
+            if self.keep:
+                self._sum(lo, hi, accumulate=False)
+            else:
+                G.zero_()
+        return G
+
+    def _sum(self, lo: int, hi: int, accumulate: bool) -> None:
+        """Rows [lo, hi) of the buffer := (or, ``accumulate``, +=) the kept records' sums (``hfd_moda_slot_grads``)."""
+        if hi <= lo or not self.keep:
+            return
+        _, B, Hkv, T, hd = self.shape
         lib, n = library(), len(self.w)
         H = self.keep[0][1].shape[1]
         args = (n, (ctypes.c_void_p * n)(*self.w), (ctypes.c_int64 * n)(*self.n_slots), (ctypes.c_void_p * n)(*self.x),
-                (ctypes.c_int64 * (4 * n))(*self.strides), _ptr(G), lo, hi, B, H, Hkv, T, hd)
+                (ctypes.c_int64 * (4 * n))(*self.strides), _ptr(self.out[lo:hi]), lo, hi, B, H, Hkv, T, hd,
+                int(accumulate))
         _parallel(lambda a, b: lib.hfd_moda_slot_grads(*args, a, b), lib.hfd_moda_grad_items(B, T), min_items=2)
-        return G
 
 
 def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tensor:
@@ -767,21 +798,27 @@ def agg_forward(z: torch.Tensor, V: torch.Tensor, P: torch.Tensor | None, qg: to
     return out, p, rp, zp
 
 
-def agg_backward(z, V, P, qg, rp, zp, dout, DZ, dV):
+def agg_backward(z, V, P, qg, rp, zp, dout, DZ, dV, PW=None):
     """The backward of ``agg_forward`` (its softmax recomputed from z and the saved z_P), given the output
     gradient dout [N, d]: writes the stable logits' gradients into DZ [K, N] (tokens contiguous), adds p_k dout
-    into the gradient accumulator dV [K, N, d] (rows contiguous) and returns (dP [N, d], a [N] = dz_P r_P) for the
-    partial sum (the caller adds a's part of the query gradient, a sum over tokens), (None, None) without one. None
-    when the kernel does not take these tensors (nothing written)."""
+    into the gradient accumulator dV [K, N, d] (rows contiguous) -- or, with dV None, writes the weights p_k into PW
+    [K, N] (tokens contiguous) for a deferred sum (``SlotGrads`` with an accumulator) -- and returns (dP [N, d],
+    a [N] = dz_P r_P) for the partial sum (the caller adds a's part of the query gradient, a sum over tokens),
+    (None, None) without one. None when the kernel does not take these tensors (nothing written)."""
     lib = _agg_inputs(z, V, P, qg)
     K, N, d = V.shape
+
+    def rows(t, shape, dense):  # fp32, the given shape, the last dim contiguous (and rows of d contiguous)
+        return t.dtype == torch.float32 and t.shape == shape and t.stride(-1) == 1 and (not dense or t.stride(1) == d)
+
     if (lib is None or dout.shape != (N, d) or not dout.is_contiguous() or dout.dtype != torch.float32
-            or DZ.shape != (K, N) or DZ.stride(1) != 1 or dV.shape != (K, N, d) or dV.stride(2) != 1
-            or dV.stride(1) != d or DZ.dtype != torch.float32 or dV.dtype != torch.float32
+            or not rows(DZ, (K, N), False) or (dV is None and PW is None)
+            or (dV is not None and not rows(dV, (K, N, d), True)) or (PW is not None and not rows(PW, (K, N), False))
             or (P is not None and not (rp.is_contiguous() and zp.is_contiguous() and rp.shape == zp.shape == (N,)))):
         return None
     dP, a = (None, None) if P is None else (torch.empty(N, d, dtype=torch.float32), torch.empty(N, dtype=torch.float32))
     args = (_ptr(z), z.stride(0), _ptr(V), V.stride(0), K, _ptr(P), _ptr(qg), _ptr(rp), _ptr(zp), _ptr(dout),
-            _ptr(DZ), DZ.stride(0), _ptr(dV), dV.stride(0), _ptr(dP), _ptr(a), d)
+            _ptr(DZ), DZ.stride(0), _ptr(dV), 0 if dV is None else dV.stride(0), _ptr(PW),
+            0 if PW is None else PW.stride(0), _ptr(dP), _ptr(a), d)
     _parallel(lambda lo, hi: lib.hfd_agg_bwd(*args, lo, hi), N, _AGG_MIN_TOKENS)
     return dP, a

@@ -6,6 +6,8 @@
  *             p = softmax([z_0 .. z_{K-1} | zp]),   out = sum_k p_k V_k + p_K P
  *   backward  dp_k = do . V_k,  dp_K = do . P,   dz = p (dp - sum_j p_j dp_j)
  *             dV_k += p_k do  (the bank's gradient accumulator, in place),  DZ_k = dz_k (k < K)
+ *             or, with dV NULL, PW_k = p_k [K, N]: the weights, for the caller's deferred sum of every consumer's
+ *             p_k do (hfd_moda_slot_grads: each slot's accumulator row read and written once per group of consumers)
  *             a = dz_K rp,   dP = p_K do + a qg - (a zp rp / d) P
  * The slots' logit gradients DZ go on to the caller's products (the two-phase form's d z / d v and d z / d qg), and
  * a [N] to the partial's part of the query gradient (a sum over tokens: the caller's, so threads change no bit).
@@ -15,7 +17,8 @@
  * Layouts (strides in elements): z [K, N] (slot stride szk, tokens contiguous); V [K, N, d] (slot stride svk,
  * token rows contiguous); P, out, do, dP [N, d] contiguous; p [N, K + 1] contiguous (K without P: the row of
  * weights the caller returns, token-major); rp, zp, a [N]; DZ [K, N] (slot stride sdk); dV [K, N, d] (slot stride
- * sgk). A call handles tokens [n0, n1) (threads split the range). No FMA contraction (-std=c99).
+ * sgk) or NULL; PW [K, N] (slot stride spk) or NULL. A call handles tokens [n0, n1) (threads split the range).
+ * No FMA contraction (-std=c99).
  */
 #include <math.h>
 #include <stdint.h>
@@ -79,7 +82,17 @@ int hfd_agg_fwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_
             float *o = out + n * d;
             for (int64_t i = 0; i < d; i++) o[i] = w * v[i];
         }
-        for (int64_t k = 1; k < S; k++)  /* slot-major: each slot's rows of the chunk streamed once */
+        int64_t k = 1;
+        for (; k + 4 <= S; k += 4)  /* four slots' rows of the chunk streamed at a time, a row's terms in slot order */
+            for (int64_t n = c; n < c + tn; n++) {
+                const float *w = p + n * S + k, *v[4];
+                for (int u = 0; u < 4; u++) v[u] = k + u < K ? V + (k + u) * svk + n * d : P + n * d;
+                const float *restrict v0 = v[0], *restrict v1 = v[1], *restrict v2 = v[2], *restrict v3 = v[3];
+                float *restrict o = out + n * d;
+                for (int64_t i = 0; i < d; i++)
+                    o[i] = (((o[i] + w[0] * v0[i]) + w[1] * v1[i]) + w[2] * v2[i]) + w[3] * v3[i];
+            }
+        for (; k < S; k++)
             for (int64_t n = c; n < c + tn; n++) {
                 const float w = p[n * S + k], *v = k < K ? V + k * svk + n * d : P + n * d;
                 float *o = out + n * d;
@@ -91,7 +104,8 @@ int hfd_agg_fwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_
 
 int hfd_agg_bwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_t K, const float *P,
                 const float *qg, const float *rp, const float *zp, const float *dout, float *DZ, int64_t sdk,
-                float *dV, int64_t sgk, float *dP, float *a, int64_t d, int64_t n0, int64_t n1) {
+                float *dV, int64_t sgk, float *PW, int64_t spk, float *dP, float *a, int64_t d, int64_t n0,
+                int64_t n1) {
     const int has_p = P != NULL;
     const int64_t S = K + has_p;
     float *p = malloc(sizeof(float) * (size_t)(2 * AGG_TC * S));
@@ -100,18 +114,21 @@ int hfd_agg_bwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_
     for (int64_t c = n0; c < n1; c += AGG_TC) {
         const int64_t tn = n1 - c < AGG_TC ? n1 - c : AGG_TC;
         for (int64_t t = 0; t < tn; t++) agg_softmax(p + t * S, z + c + t, szk, K, has_p, has_p ? zp[c + t] : 0.0f);
-        for (int64_t k = 0; k < S; k++)  /* dp_k = do . V_k, slot-major */
-            for (int64_t t = 0; t < tn; t++) {
-                const int64_t n = c + t;
-                dp[t * S + k] = hfd_dot(dout + n * d, k < K ? V + k * svk + n * d : P + n * d, d);
-            }
+        for (int64_t k = 0; k < K; k += 4) {  /* dp_k = do . V_k, four slots' rows of the chunk streamed at a time */
+            const int64_t kn = K - k < 4 ? K - k : 4;
+            for (int64_t t = 0; t < tn; t++)
+                hfd_dots(dp + t * S + k, dout + (c + t) * d, V + k * svk + (c + t) * d, svk, kn, d);
+        }
+        for (int64_t t = 0; has_p && t < tn; t++) dp[t * S + K] = hfd_dot(dout + (c + t) * d, P + (c + t) * d, d);
         for (int64_t t = 0; t < tn; t++) {  /* dz = p (dp - sum p dp), in place of dp */
             float *pt = p + t * S, *gt = dp + t * S, s = 0.0f;
             for (int64_t k = 0; k < S; k++) s += pt[k] * gt[k];
             for (int64_t k = 0; k < S; k++) gt[k] = pt[k] * (gt[k] - s);
             for (int64_t k = 0; k < K; k++) DZ[k * sdk + c + t] = gt[k];
+            if (PW)
+                for (int64_t k = 0; k < K; k++) PW[k * spk + c + t] = pt[k];
         }
-        for (int64_t k = 0; k < K; k++)  /* dV_k += p_k do, slot-major */
+        for (int64_t k = 0; dV && k < K; k++)  /* dV_k += p_k do, slot-major */
             for (int64_t t = 0; t < tn; t++) {
                 const int64_t n = c + t;
                 const float w = p[t * S + k], *g = dout + n * d;

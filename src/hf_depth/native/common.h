@@ -3,6 +3,7 @@
 #define HF_DEPTH_NATIVE_COMMON_H
 
 #include <stdint.h>
+#include <string.h>
 
 /* a . b over n floats, summed in 8 lanes, then ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the tail:
  * one fixed order, so every kernel's dot products round alike */
@@ -14,6 +15,46 @@ static inline float hfd_dot(const float *restrict a, const float *restrict b, in
     float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
     for (; i < n; i++) s += a[i] * b[i];
     return s;
+}
+
+/* 8 floats as one vector (GCC / clang vector extension): the dot products' lanes, in registers */
+typedef float hfd_v8 __attribute__((vector_size(32)));
+
+static inline hfd_v8 hfd_load8(const float *p) {
+    hfd_v8 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+/* the 8 lanes' sum in hfd_dot's order */
+#define HFD_SUM8(x) (((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])))
+
+/* out[s] = a . b_s for the n rows b_s = b + s sb, each summed as ``hfd_dot`` does (the same bits), four rows at a time:
+ * a read once per four, and four independent sums in flight (one dot's chain of adds is latency-bound) */
+static inline void hfd_dots(float *out, const float *restrict a, const float *restrict b, int64_t sb, int64_t n,
+                            int64_t d) {
+    int64_t s = 0;
+    for (; s + 4 <= n; s += 4) {
+        const float *b0 = b + s * sb, *b1 = b0 + sb, *b2 = b1 + sb, *b3 = b2 + sb;
+        hfd_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) {
+            const hfd_v8 v = hfd_load8(a + i);
+            a0 += v * hfd_load8(b0 + i);
+            a1 += v * hfd_load8(b1 + i);
+            a2 += v * hfd_load8(b2 + i);
+            a3 += v * hfd_load8(b3 + i);
+        }
+        float s0 = HFD_SUM8(a0), s1 = HFD_SUM8(a1), s2 = HFD_SUM8(a2), s3 = HFD_SUM8(a3);
+        for (; i < d; i++) {
+            s0 += a[i] * b0[i];
+            s1 += a[i] * b1[i];
+            s2 += a[i] * b2[i];
+            s3 += a[i] * b3[i];
+        }
+        out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
+    }
+    for (; s < n; s++) out[s] = hfd_dot(a, b + s * sb, d);
 }
 
 #endif

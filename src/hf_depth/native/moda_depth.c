@@ -181,42 +181,74 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
 /* The gradients of slots [j0, j1) of one bank, summed over its n consumers i (each read D_i slots):
  *   G[j - j0] = sum_i sum_r W_i[j, b, hk rep + r, t] X_i[b, hk rep + r, t, :]      (0 where no consumer reads j)
  * with (W, X) = (dd, q) for keys and (p, dO) for values. W_i [D_i, B, H, T] contiguous; X_i [B, H, T, hd] with
- * strides xs[4 i .. 4 i + 3]; G [j1 - j0, B, Hkv, T, hd] contiguous (written once, not accumulated). Work items are
- * (b, chunk of GT tokens); per output row the consumers are the inner loop (their rows streamed side by side), so
- * each row is summed in an L1-resident accumulator and stored once. */
+ * strides xs[4 i .. 4 i + 3]; G [j1 - j0, B, Hkv, T, hd] contiguous, written once (or, with ``accumulate``, the
+ * consumers' sum added to it: AttnRes' grouped bank gradients, native.SlotGrads with an accumulator). Work items are
+ * (b, chunk of GT tokens); per output row the consumers are the inner loop (their rows streamed side by side, four
+ * terms per pass over the row), so each row is summed in an L1-resident accumulator and stored once. */
 #ifndef GT
 #define GT 32
 #endif
 
+/* y += w[0] x0 + w[1] x1 + w[2] x2 + w[3] x3, each term added in turn (the bits of four axpy calls, one pass over y) */
+static inline void axpy4(float *restrict y, const float *w, const float *restrict x0, const float *restrict x1,
+                         const float *restrict x2, const float *restrict x3, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = (((y[i] + w[0] * x0[i]) + w[1] * x1[i]) + w[2] * x2[i]) + w[3] * x3[i];
+}
+
 int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn, const float *const *X,
                         const int64_t *xs, float *G, int64_t j0, int64_t j1, int64_t B, int64_t H, int64_t Hkv,
-                        int64_t T, int64_t hd, int64_t item0, int64_t item1) {
+                        int64_t T, int64_t hd, int64_t accumulate, int64_t item0, int64_t item1) {
     const int64_t rep = H / Hkv, slot = B * Hkv * T * hd, nj = j1 - j0, chunks = (T + GT - 1) / GT, plane = B * H * T;
     float *acc = malloc(sizeof(float) * (size_t)(nj * hd));
-    if (!acc) return 1;
+    const float **row = malloc(sizeof(float *) * (size_t)(2 * ncons));  /* per consumer: its x row, its weights */
+    if (!acc || !row) {
+        free(acc);
+        free(row);
+        return 1;
+    }
+    const float **wts = row + ncons;
+    int unit = 1;
+    for (int64_t c = 0; c < ncons; c++) unit &= xs[4 * c + 3] == 1;
     for (int64_t it = item0; it < item1; it++) {
         const int64_t b = it / chunks, t0 = (it % chunks) * GT, tn = T - t0 < GT ? T - t0 : GT;
         for (int64_t t = t0; t < t0 + tn; t++)
             for (int64_t hk = 0; hk < Hkv; hk++) {
                 memset(acc, 0, sizeof(float) * (size_t)(nj * hd));
-                for (int64_t h = hk * rep; h < (hk + 1) * rep; h++)
+                for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                     for (int64_t c = 0; c < ncons; c++) {
-                        const int64_t hi = j1 < Dn[c] ? j1 : Dn[c];
                         const int64_t *st = xs + 4 * c;
-                        const float *w = W[c] + (b * H + h) * T + t;  /* + j B H T: slot j's weight */
-                        const float *xr = X[c] + b * st[0] + h * st[1] + t * st[2];
-                        for (int64_t j = j0; j < hi; j++) {
-                            float *a = acc + (j - j0) * hd;
-                            const float wj = w[j * plane];
-                            if (st[3] == 1) axpy(a, wj, xr, hd);
-                            else for (int64_t k = 0; k < hd; k++) a[k] += wj * xr[k * st[3]];
-                        }
+                        wts[c] = W[c] + (b * H + h) * T + t;  /* + j B H T: slot j's weight */
+                        row[c] = X[c] + b * st[0] + h * st[1] + t * st[2];
                     }
-                for (int64_t j = 0; j < nj; j++)
-                    memcpy(G + j * slot + ((b * Hkv + hk) * T + t) * hd, acc + j * hd, sizeof(float) * (size_t)hd);
+                    for (int64_t j = j0; j < j1; j++) {  /* each row's terms in consumer order, four per pass */
+                        float *a = acc + (j - j0) * hd, w4[4];
+                        const float *x4[4];
+                        int m = 0;
+                        for (int64_t c = 0; c < ncons; c++) {
+                            if (j >= Dn[c]) continue;
+                            const float wj = wts[c][j * plane];
+                            if (!unit) {
+                                for (int64_t k = 0; k < hd; k++) a[k] += wj * row[c][k * xs[4 * c + 3]];
+                                continue;
+                            }
+                            w4[m] = wj, x4[m] = row[c];
+                            if (++m == 4) {
+                                axpy4(a, w4, x4[0], x4[1], x4[2], x4[3], hd);
+                                m = 0;
+                            }
+                        }
+                        for (int u = 0; u < m; u++) axpy(a, w4[u], x4[u], hd);
+                    }
+                }
+                for (int64_t j = 0; j < nj; j++) {
+                    float *g = G + j * slot + ((b * Hkv + hk) * T + t) * hd;
+                    if (accumulate) axpy(g, 1.0f, acc + j * hd, hd);
+                    else memcpy(g, acc + j * hd, sizeof(float) * (size_t)hd);
+                }
             }
     }
     free(acc);
+    free(row);
     return 0;
 }
 

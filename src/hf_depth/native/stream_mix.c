@@ -41,55 +41,18 @@
 #define SM_MADD(a, b, c) ((a) + (b) * (c))
 #endif
 
-/* 8 floats as one vector (GCC / clang vector extension): the dot products' lanes, in registers */
-typedef float sm_v8 __attribute__((vector_size(32)));
-
-static inline sm_v8 sm_splat(float x) {
-    const sm_v8 v = {x, x, x, x, x, x, x, x};
+static inline hfd_v8 sm_splat(float x) {
+    const hfd_v8 v = {x, x, x, x, x, x, x, x};
     return v;
 }
 
 /* a + b c per lane, rounded as SM_MADD: one fused multiply-add where the CPU has one */
-static inline sm_v8 sm_vmadd(sm_v8 a, sm_v8 b, sm_v8 c) {
+static inline hfd_v8 sm_vmadd(hfd_v8 a, hfd_v8 b, hfd_v8 c) {
 #if defined(__FMA__) && defined(__AVX__)
-    return (sm_v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
+    return (hfd_v8)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a);
 #else
     return a + b * c;
 #endif
-}
-
-static inline sm_v8 sm_load(const float *p) {
-    sm_v8 v;
-    memcpy(&v, p, sizeof(v));
-    return v;
-}
-
-/* out[s] = a . b_s for the n rows b_s = b + s sb, each summed as ``hfd_dot`` does (the same bits), a read once */
-static inline void sm_dots(float *out, const float *restrict a, const float *restrict b, int64_t sb, int64_t n,
-                           int64_t d) {
-    int64_t s = 0;
-    for (; s + 4 <= n; s += 4) {
-        const float *b0 = b + s * sb, *b1 = b0 + sb, *b2 = b1 + sb, *b3 = b2 + sb;
-        sm_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8) {
-            const sm_v8 v = sm_load(a + i);
-            a0 += v * sm_load(b0 + i);
-            a1 += v * sm_load(b1 + i);
-            a2 += v * sm_load(b2 + i);
-            a3 += v * sm_load(b3 + i);
-        }
-#define SM_SUM(x) (((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])))
-        float s0 = SM_SUM(a0), s1 = SM_SUM(a1), s2 = SM_SUM(a2), s3 = SM_SUM(a3);
-        for (; i < d; i++) {
-            s0 += a[i] * b0[i];
-            s1 += a[i] * b1[i];
-            s2 += a[i] * b2[i];
-            s3 += a[i] * b3[i];
-        }
-        out[s] = s0, out[s + 1] = s1, out[s + 2] = s2, out[s + 3] = s3;
-    }
-    for (; s < n; s++) out[s] = hfd_dot(a, b + s * sb, d);
 }
 
 /* o = sum_s c[s * sc] x[s * sx + .] over n terms, as the eager form: the first product, then multiply-adds */
@@ -128,7 +91,7 @@ int hfd_stream_mix_bwd(const float *M, int64_t smt, int64_t smr, int64_t smc, co
         const float *gi[SM_MAX_ROWS]; /* row i of [G0; G1] */
         for (int64_t i = 0; i < r; i++) {
             gi[i] = i < r0 ? G0 + t * sat + i * sar : G1 + t * sbt + (i - r0) * sbr;
-            sm_dots(dMt + i * n, gi[i], Ht, shs, n, d);
+            hfd_dots(dMt + i * n, gi[i], Ht, shs, n, d);
         }
         /* dH_s = sum_i M[i, s] G_i: rows of G1 first, then G0's (the eager order), 8 columns at a time for every s
          * (each G row read once per chunk; the sums in registers) */
@@ -143,8 +106,8 @@ int hfd_stream_mix_bwd(const float *M, int64_t smt, int64_t smr, int64_t smc, co
         for (; k + 8 <= d; k += 8)
             for (int64_t s = 0; s < n; s++) {
                 const float *cs = c + s * r;
-                sm_v8 o = sm_splat(cs[0]) * sm_load(g[0] + k);
-                for (int64_t u = 1; u < r; u++) o = sm_vmadd(o, sm_splat(cs[u]), sm_load(g[u] + k));
+                hfd_v8 o = sm_splat(cs[0]) * hfd_load8(g[0] + k);
+                for (int64_t u = 1; u < r; u++) o = sm_vmadd(o, sm_splat(cs[u]), hfd_load8(g[u] + k));
                 memcpy(dHt + s * d + k, &o, sizeof(o));
             }
         for (; k < d; k++)
@@ -164,7 +127,7 @@ int hfd_stream_write_bwd(const float *w, int64_t swt, int64_t sws, const float *
     for (int64_t t = t0; t < t1; t++) {
         const float *dHt = dH + t * sdt, *yt = y + t * syt;
         sm_combine(dy + t * d, w + t * swt, sws, dHt, sds, n, d);
-        for (int64_t s = 0; s < n; s++) dw[t * n + s] = hfd_dot(dHt + s * sds, yt, d);
+        hfd_dots(dw + t * n, yt, dHt, sds, n, d);  /* dw_s = y . dH_s: the products of dH_s . y, the same bits */
     }
     return 0;
 }
@@ -339,7 +302,7 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
 #define HC_MAX_STREAMS 8
 #define HC_MAX_COLS (HC_MAX_STREAMS + 2)
 
-/* 8 int32 lanes: comparison masks and the bits of sm_v8 lanes */
+/* 8 int32 lanes: comparison masks and the bits of hfd_v8 lanes */
 typedef int32_t sm_i8 __attribute__((vector_size(32)));
 
 static inline sm_i8 sm_splat_i(int32_t x) {
@@ -347,16 +310,16 @@ static inline sm_i8 sm_splat_i(int32_t x) {
 }
 
 /* lanes of a where the mask is set, else of b */
-static inline sm_v8 sm_select(sm_i8 mask, sm_v8 a, sm_v8 b) {
-    return (sm_v8)((mask & (sm_i8)a) | (~mask & (sm_i8)b));
+static inline hfd_v8 sm_select(sm_i8 mask, hfd_v8 a, hfd_v8 b) {
+    return (hfd_v8)((mask & (sm_i8)a) | (~mask & (sm_i8)b));
 }
 
 /* e^x per lane for x in [-88, 88] (Cephes expf: x = k ln 2 + f, |f| <= ln 2 / 2, a degree-6 polynomial, times 2^k) */
-static inline sm_v8 sm_exp(sm_v8 x) {
-    const sm_v8 magic = sm_splat(12582912.0f); /* 1.5 2^23: adding it rounds to an integer */
-    const sm_v8 k = (x * sm_splat(1.44269504088896341f) + magic) - magic;
-    const sm_v8 f = (x - k * sm_splat(0.693359375f)) - k * sm_splat(-2.12194440e-4f);
-    sm_v8 p = sm_splat(1.9875691500e-4f);
+static inline hfd_v8 sm_exp(hfd_v8 x) {
+    const hfd_v8 magic = sm_splat(12582912.0f); /* 1.5 2^23: adding it rounds to an integer */
+    const hfd_v8 k = (x * sm_splat(1.44269504088896341f) + magic) - magic;
+    const hfd_v8 f = (x - k * sm_splat(0.693359375f)) - k * sm_splat(-2.12194440e-4f);
+    hfd_v8 p = sm_splat(1.9875691500e-4f);
     p = p * f + sm_splat(1.3981999507e-3f);
     p = p * f + sm_splat(8.3334519073e-3f);
     p = p * f + sm_splat(4.1665795894e-2f);
@@ -364,23 +327,23 @@ static inline sm_v8 sm_exp(sm_v8 x) {
     p = p * f + sm_splat(5.0000001201e-1f);
     p = p * (f * f) + f + sm_splat(1.0f);
     const sm_i8 e = (__builtin_convertvector(k, sm_i8) + 127) << 23;
-    return p * (sm_v8)e;
+    return p * (hfd_v8)e;
 }
 
 /* tanh per lane to a few ulp (Cephes tanhf): an odd polynomial below 0.625, else 1 - 2 / (e^{2|x|} + 1); +-1 from
  * 9 on, and NaN stays NaN */
-static inline sm_v8 sm_tanh(sm_v8 x) {
+static inline hfd_v8 sm_tanh(hfd_v8 x) {
     const sm_i8 sign = (sm_i8)x & sm_splat_i(INT32_MIN);
-    const sm_v8 ax = (sm_v8)((sm_i8)x & ~sm_splat_i(INT32_MIN));
-    const sm_v8 z = x * x;
-    sm_v8 p = sm_splat(-5.70498872745e-3f);
+    const hfd_v8 ax = (hfd_v8)((sm_i8)x & ~sm_splat_i(INT32_MIN));
+    const hfd_v8 z = x * x;
+    hfd_v8 p = sm_splat(-5.70498872745e-3f);
     p = p * z + sm_splat(2.06390887954e-2f);
     p = p * z + sm_splat(-5.37397155531e-2f);
     p = p * z + sm_splat(1.33314422036e-1f);
     p = p * z + sm_splat(-3.33332819422e-1f);
-    const sm_v8 small = p * z * x + x;
-    const sm_v8 big = sm_splat(1.0f) - sm_splat(2.0f) / (sm_exp(sm_select(ax < sm_splat(9.0f), ax + ax, sm_splat(18.0f))) + sm_splat(1.0f));
-    const sm_v8 large = (sm_v8)((sm_i8)sm_select(ax < sm_splat(9.0f), big, sm_splat(1.0f)) | sign);
+    const hfd_v8 small = p * z * x + x;
+    const hfd_v8 big = sm_splat(1.0f) - sm_splat(2.0f) / (sm_exp(sm_select(ax < sm_splat(9.0f), ax + ax, sm_splat(18.0f))) + sm_splat(1.0f));
+    const hfd_v8 large = (hfd_v8)((sm_i8)sm_select(ax < sm_splat(9.0f), big, sm_splat(1.0f)) | sign);
     return sm_select(ax < sm_splat(0.625f), small, sm_select(ax == ax, large, x));
 }
 
@@ -388,13 +351,13 @@ static inline sm_v8 sm_tanh(sm_v8 x) {
 static inline void hc_tanh(float *T, const float *P, int64_t count) {
     int64_t e = 0;
     for (; e + 8 <= count; e += 8) {
-        const sm_v8 v = sm_tanh(sm_load(P + e));
+        const hfd_v8 v = sm_tanh(hfd_load8(P + e));
         memcpy(T + e, &v, sizeof(v));
     }
     if (e < count) {
         float buf[8] = {0};
         memcpy(buf, P + e, sizeof(float) * (size_t)(count - e));
-        const sm_v8 v = sm_tanh(sm_load(buf));
+        const hfd_v8 v = sm_tanh(hfd_load8(buf));
         memcpy(buf, &v, sizeof(v));
         memcpy(T + e, buf, sizeof(float) * (size_t)(count - e));
     }
@@ -414,16 +377,16 @@ static inline void hc_gates(const float *P, const float *sa, const float *sb, fl
 /* sum of squares of h [d] and its c dot products with the rows of WT [c, d], 8 lanes each */
 static inline void hc_project(const float *restrict h, const float *restrict WT, int64_t c, int64_t d, float *ss,
                               float *dots) {
-    sm_v8 q = {0}, a[HC_MAX_COLS];
+    hfd_v8 q = {0}, a[HC_MAX_COLS];
     for (int64_t j = 0; j < c; j++) a[j] = sm_splat(0.0f);
     int64_t k = 0;
     for (; k + 8 <= d; k += 8) {
-        const sm_v8 v = sm_load(h + k);
+        const hfd_v8 v = hfd_load8(h + k);
         q += v * v;
-        for (int64_t j = 0; j < c; j++) a[j] += v * sm_load(WT + j * d + k);
+        for (int64_t j = 0; j < c; j++) a[j] += v * hfd_load8(WT + j * d + k);
     }
-    float s2 = SM_SUM(q);
-    for (int64_t j = 0; j < c; j++) dots[j] = SM_SUM(a[j]);
+    float s2 = HFD_SUM8(q);
+    for (int64_t j = 0; j < c; j++) dots[j] = HFD_SUM8(a[j]);
     for (; k < d; k++) {
         s2 += h[k] * h[k];
         for (int64_t j = 0; j < c; j++) dots[j] += h[k] * WT[j * d + k];
@@ -541,7 +504,7 @@ HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t
         g[0] = G0 + t * sgt;
         for (int64_t i = 0; i < n; i++) g[i + 1] = G1 + t * sbt + i * sbr;
         float dA[HC_MAX_STREAMS + 1][HC_MAX_STREAMS]; /* dA[i][s] = G_i . H_s (dM) */
-        for (int64_t i = 0; i < m; i++) sm_dots(dA[i], g[i], Ht, shs, n, d);
+        for (int64_t i = 0; i < m; i++) hfd_dots(dA[i], g[i], Ht, shs, n, d);
         float dQ[HC_MAX_STREAMS * HC_MAX_COLS], ks[HC_MAX_STREAMS];
         double ta = 0.0, tb = 0.0;
         for (int64_t s = 0; s < n; s++) {
@@ -565,13 +528,13 @@ HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t
         *dbs += tb;
         int64_t k = 0;
         for (; k + 8 <= d; k += 8) {
-            sm_v8 h[HC_MAX_STREAMS], gv[HC_MAX_STREAMS + 1], w[HC_MAX_COLS];
-            for (int64_t s = 0; s < n; s++) h[s] = sm_load(Ht + s * shs + k);
-            for (int64_t i = 0; i < m; i++) gv[i] = sm_load(g[i] + k);
-            for (int64_t j = 0; j < c; j++) w[j] = sm_load(WT + j * d + k);
+            hfd_v8 h[HC_MAX_STREAMS], gv[HC_MAX_STREAMS + 1], w[HC_MAX_COLS];
+            for (int64_t s = 0; s < n; s++) h[s] = hfd_load8(Ht + s * shs + k);
+            for (int64_t i = 0; i < m; i++) gv[i] = hfd_load8(g[i] + k);
+            for (int64_t j = 0; j < c; j++) w[j] = hfd_load8(WT + j * d + k);
             for (int64_t s = 0; s < n; s++) {
                 const float *As = A + s * m, *dQs = dQ + s * c;
-                sm_v8 o = sm_splat(As[1]) * gv[1]; /* the mixing's rows first, then the branch input's (the eager order) */
+                hfd_v8 o = sm_splat(As[1]) * gv[1]; /* the mixing's rows first, then the branch input's (the eager order) */
                 for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, sm_splat(As[i]), gv[i]);
                 o = sm_vmadd(o, sm_splat(As[0]), gv[0]);
                 for (int64_t j = 0; j < c; j++) o = sm_vmadd(o, sm_splat(dQs[j]), w[j]);
@@ -579,7 +542,7 @@ HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t
                 memcpy(dHt + s * d + k, &o, sizeof(o));
             }
             for (int64_t j = 0; j < c; j++) {
-                sm_v8 acc = sm_load(dWT + j * d + k);
+                hfd_v8 acc = hfd_load8(dWT + j * d + k);
                 for (int64_t s = 0; s < n; s++) acc = sm_vmadd(acc, sm_splat(dQ[s * c + j]), h[s]);
                 memcpy(dWT + j * d + k, &acc, sizeof(acc));
             }
@@ -654,18 +617,18 @@ int hfd_stream_mix_write(const float *M, int64_t smt, int64_t smr, int64_t smc, 
 
 /* sum of the squares of one token's n streams of d (rows sx apart), 8 lanes */
 static inline float hfd_sumsq(const float *x, int64_t sx, int64_t n, int64_t d) {
-    sm_v8 q = {0};
+    hfd_v8 q = {0};
     float tail = 0.0f;
     for (int64_t s = 0; s < n; s++) {
         const float *row = x + s * sx;
         int64_t k = 0;
         for (; k + 8 <= d; k += 8) {
-            const sm_v8 v = sm_load(row + k);
+            const hfd_v8 v = hfd_load8(row + k);
             q += v * v;
         }
         for (; k < d; k++) tail += row[k] * row[k];
     }
-    return SM_SUM(q) + tail;
+    return HFD_SUM8(q) + tail;
 }
 
 /* mHC's routing of one sublayer (design_mhc.MHCConnection) after the product of its projection proj [tok, C]
@@ -748,13 +711,13 @@ HC_INLINE void mhc_dH(int64_t n, float *dHt, const float *Mt, const float *const
     const int64_t m = n + 1;
     int64_t c = 0;
     for (; c + 8 <= d; c += 8) {
-        sm_v8 gv[MHC_MAX_STREAMS + 1];
-        for (int64_t i = 0; i < m; i++) gv[i] = sm_load(g[i] + c);
+        hfd_v8 gv[MHC_MAX_STREAMS + 1];
+        for (int64_t i = 0; i < m; i++) gv[i] = hfd_load8(g[i] + c);
         for (int64_t s = 0; s < n; s++) {
-            sm_v8 o = sm_splat(Mt[n + s]) * gv[1];
+            hfd_v8 o = sm_splat(Mt[n + s]) * gv[1];
             for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, sm_splat(Mt[i * n + s]), gv[i]);
             o = sm_vmadd(o, sm_splat(Mt[s]), gv[0]);
-            o = sm_vmadd(o, sm_splat(k), sm_load(Ht + s * shs + c));
+            o = sm_vmadd(o, sm_splat(k), hfd_load8(Ht + s * shs + c));
             memcpy(dHt + s * d + c, &o, sizeof(o));
         }
     }
@@ -789,9 +752,9 @@ int hfd_mhc_route_bwd(const float *H, int64_t sht, int64_t shs, const float *pro
         }
         for (int64_t l = 0; l < nt; l++) {
             const float *Ht = H + (t + l) * sht;
-            sm_dots(dM[l], G0 + (t + l) * sgt, Ht, shs, n, d);
+            hfd_dots(dM[l], G0 + (t + l) * sgt, Ht, shs, n, d);
             for (int64_t i = 0; i < n; i++) {
-                sm_dots(dM[l] + (1 + i) * n, G1 + (t + l) * sbt + i * sbr, Ht, shs, n, d);
+                hfd_dots(dM[l] + (1 + i) * n, G1 + (t + l) * sbt + i * sbr, Ht, shs, n, d);
                 for (int64_t s = 0; s < n; s++) /* the result's gradient as the Sinkhorn laid it out */
                     G[(cf ? s * n + i : i * n + s) * SK_LANES + l] = dM[l][(1 + i) * n + s];
             }
