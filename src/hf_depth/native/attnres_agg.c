@@ -85,19 +85,13 @@ int hfd_agg_fwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_
         int64_t k = 1;
         for (; k + 4 <= S; k += 4)  /* four slots' rows of the chunk streamed at a time, a row's terms in slot order */
             for (int64_t n = c; n < c + tn; n++) {
-                const float *w = p + n * S + k, *v[4];
+                const float *v[4];
                 for (int u = 0; u < 4; u++) v[u] = k + u < K ? V + (k + u) * svk + n * d : P + n * d;
-                const float *restrict v0 = v[0], *restrict v1 = v[1], *restrict v2 = v[2], *restrict v3 = v[3];
-                float *restrict o = out + n * d;
-                for (int64_t i = 0; i < d; i++)
-                    o[i] = (((o[i] + w[0] * v0[i]) + w[1] * v1[i]) + w[2] * v2[i]) + w[3] * v3[i];
+                hfd_axpy4(out + n * d, p + n * S + k, v[0], v[1], v[2], v[3], d);
             }
         for (; k < S; k++)
-            for (int64_t n = c; n < c + tn; n++) {
-                const float w = p[n * S + k], *v = k < K ? V + k * svk + n * d : P + n * d;
-                float *o = out + n * d;
-                for (int64_t i = 0; i < d; i++) o[i] += w * v[i];
-            }
+            for (int64_t n = c; n < c + tn; n++)
+                hfd_axpy(out + n * d, p[n * S + k], k < K ? V + k * svk + n * d : P + n * d, d);
     }
     return 0;
 }
@@ -129,12 +123,7 @@ int hfd_agg_bwd(const float *z, int64_t szk, const float *V, int64_t svk, int64_
                 for (int64_t k = 0; k < K; k++) PW[k * spk + c + t] = pt[k];
         }
         for (int64_t k = 0; dV && k < K; k++)  /* dV_k += p_k do, slot-major */
-            for (int64_t t = 0; t < tn; t++) {
-                const int64_t n = c + t;
-                const float w = p[t * S + k], *g = dout + n * d;
-                float *gv = dV + k * sgk + n * d;
-                for (int64_t i = 0; i < d; i++) gv[i] += w * g[i];
-            }
+            for (int64_t t = 0; t < tn; t++) hfd_axpy(dV + k * sgk + (c + t) * d, p[t * S + k], dout + (c + t) * d, d);
         if (has_p)
             for (int64_t t = 0; t < tn; t++) {
                 const int64_t n = c + t;

@@ -17,6 +17,18 @@ static inline float hfd_dot(const float *restrict a, const float *restrict b, in
     return s;
 }
 
+/* y += a x over n floats (a product, then an add: no contraction under -std=c99) */
+static inline void hfd_axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* y += w[0] x0 + w[1] x1 + w[2] x2 + w[3] x3, each term added in turn: the bits of four hfd_axpy calls in one pass
+ * over y */
+static inline void hfd_axpy4(float *restrict y, const float *w, const float *restrict x0, const float *restrict x1,
+                             const float *restrict x2, const float *restrict x3, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = (((y[i] + w[0] * x0[i]) + w[1] * x1[i]) + w[2] * x2[i]) + w[3] * x3[i];
+}
+
 /* 8 floats as one vector (GCC / clang vector extension): the dot products' lanes, in registers */
 typedef float hfd_v8 __attribute__((vector_size(32)));
 

@@ -37,14 +37,10 @@
 #define SB 8
 #endif
 
-static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
-
 /* y += sum_u w[u] x[u slot + .] over jn rows of consecutive slots */
 static inline void axpy_slots(float *restrict y, const float *restrict w, const float *restrict x, int64_t slot,
                               int64_t jn, int64_t n) {
-    for (int64_t u = 0; u < jn; u++) axpy(y, w[u], x + u * slot, n);
+    for (int64_t u = 0; u < jn; u++) hfd_axpy(y, w[u], x + u * slot, n);
 }
 
 typedef struct {
@@ -128,7 +124,7 @@ int hfd_moda_depth_fwd(const float *q, const int64_t *sq, const float *K, const 
         slot_mix(oc, s, V + rv, D, sv[0], sv[3], rep, x.tn, hd);
         for (int64_t r = 0; r < rep; r++)
             for (int64_t ti = 0; ti < x.tn; ti++)
-                axpy(o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd, 1.0f, oc + (r * TC + ti) * hd, hd);
+                hfd_axpy(o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd, 1.0f, oc + (r * TC + ti) * hd, hd);
     }
     free(s);
     return 0;
@@ -189,12 +185,6 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
 #define GT 32
 #endif
 
-/* y += w[0] x0 + w[1] x1 + w[2] x2 + w[3] x3, each term added in turn (the bits of four axpy calls, one pass over y) */
-static inline void axpy4(float *restrict y, const float *w, const float *restrict x0, const float *restrict x1,
-                         const float *restrict x2, const float *restrict x3, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = (((y[i] + w[0] * x0[i]) + w[1] * x1[i]) + w[2] * x2[i]) + w[3] * x3[i];
-}
-
 int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn, const float *const *X,
                         const int64_t *xs, float *G, int64_t j0, int64_t j1, int64_t B, int64_t H, int64_t Hkv,
                         int64_t T, int64_t hd, int64_t accumulate, int64_t item0, int64_t item1) {
@@ -233,16 +223,16 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
                             }
                             w4[m] = wj, x4[m] = row[c];
                             if (++m == 4) {
-                                axpy4(a, w4, x4[0], x4[1], x4[2], x4[3], hd);
+                                hfd_axpy4(a, w4, x4[0], x4[1], x4[2], x4[3], hd);
                                 m = 0;
                             }
                         }
-                        for (int u = 0; u < m; u++) axpy(a, w4[u], x4[u], hd);
+                        for (int u = 0; u < m; u++) hfd_axpy(a, w4[u], x4[u], hd);
                     }
                 }
                 for (int64_t j = 0; j < nj; j++) {
                     float *g = G + j * slot + ((b * Hkv + hk) * T + t) * hd;
-                    if (accumulate) axpy(g, 1.0f, acc + j * hd, hd);
+                    if (accumulate) hfd_axpy(g, 1.0f, acc + j * hd, hd);
                     else memcpy(g, acc + j * hd, sizeof(float) * (size_t)hd);
                 }
             }
