@@ -828,6 +828,43 @@ def test_slot_grads_refuse_a_wrong_accumulator():
         native.SlotGrads((4, 1, 1, 5, 8), into=torch.zeros(4, 1, 1, 5, 8), group=0)
 
 
+SLOT_GRAD_CASES = {  # (B, H, Hkv, T, hd, slots read per consumer): the tile (tokens of all kv heads) in every form
+    "mha_model_layout": (2, 4, 4, 70, 64, (2, 4, 6, 8, 10)),  # 8-token tiles, 32-token chunks, 6 left over
+    "gqa_rep3": (1, 6, 2, 45, 8, (3, 7, 1, 9, 9, 4)),  # heads of a kv head summed in order
+    "one_token_tiles": (1, 2, 1, 37, 96, (40, 13, 41)),  # nj x hd above the tile: one token per tile
+    "mqa_odd_hd": (3, 4, 1, 9, 12, (2, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("case", sorted(SLOT_GRAD_CASES))
+def test_moda_slot_grads_equal_the_sums(case, strided):
+    """``moda_slot_grads`` (each slot summed once over its consumers, a tile of tokens at a time) against float64
+    sums G[j] = sum_i sum_(heads of a kv head) W_i[j] X_i, for slot ranges that start at 0, in the middle and at the
+    last slot; X as the attention makes it (a transposed [B, T, H, hd], strided) or with a strided last dim (the
+    per-element form); ``SlotGrads`` with an accumulator adds the same sums into it."""
+    B, H, Hkv, T, hd, reads = SLOT_GRAD_CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    ws = [torch.rand(k, B, H, T, generator=g) for k in reads]
+    xs = [torch.randn(B, T, H, hd, generator=g).transpose(1, 2) for _ in reads]
+    if strided:
+        xs = [x.transpose(2, 3).contiguous().transpose(2, 3) for x in xs]  # last-dim stride T
+    cap = max(reads)
+    want = torch.zeros(cap, B, Hkv, T, hd, dtype=torch.float64)
+    for w, x in zip(ws, xs):
+        part = w.double().unsqueeze(-1) * x.double().unsqueeze(0)  # [k, B, H, T, hd]
+        want[: w.shape[0]] += part.view(w.shape[0], B, Hkv, H // Hkv, T, hd).sum(3)
+    for lo, hi in ((0, cap), (1, min(3, cap)), (cap - 1, cap)):
+        got = native.moda_slot_grads(ws, xs, lo, hi, Hkv)
+        torch.testing.assert_close(got.double(), want[lo:hi], atol=1e-5, rtol=1e-5, msg=f"slots {lo}:{hi}")
+    into = torch.randn(cap, B, Hkv, T, hd, generator=g)
+    base = into.double()
+    acc = native.SlotGrads(into.shape, into=into, group=2)
+    for w, x in zip(ws, xs):
+        acc.add(w, x)
+    acc.grads(0, cap)
+    torch.testing.assert_close(into.double(), base + want, atol=1e-5, rtol=1e-5)
+
 @pytest.mark.parametrize("design", ["attnres", "block_attnres"])
 @pytest.mark.parametrize("group", [1, 3])
 def test_model_bank_gradient_groups_equal_eager(design, group, monkeypatch):

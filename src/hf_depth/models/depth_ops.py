@@ -645,9 +645,8 @@ class _MoDAAttention(torch.autograd.Function):
         if dk is not None:
             out = out + _depth_mix(p[..., tk:], _rep(dv, n_rep, 2, acc))
         ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv)
-        ctx.scaling, ctx.n_depth = scaling, len(depth)
-        ctx.banks = banks
-        ctx.fresh = None if banks is None else (banks[0].fresh, banks[1].fresh)
+        ctx.scaling = scaling
+        _keep_banks(ctx, banks)
         return out.transpose(1, 2).to(query.dtype)
 
     @staticmethod
@@ -696,11 +695,18 @@ def _depth_grads_adder(dd, q, pd, do, n_rep):
     return add
 
 
+def _keep_banks(ctx, banks) -> None:
+    """Keep on ``ctx`` the banks a MoDA consumer read and the slots it wrote (``moda_attention``'s inputs)."""
+    ctx.banks = banks
+    ctx.fresh = None if banks is None else (banks[0].fresh, banks[1].fresh)
+
+
 def _moda_depth_grads(ctx, dk, dv, acc, add=None, records=None) -> tuple:
-    """(dK_0, dV_0, dK_1, dV_1, ...), handed on by each slot's first reader (see ``SourceBank.grad``): this
-    consumer either adds its part into the banks' gradients in place (``add(Gk, Gv)``, the eager form) or leaves
-    ``records`` = ((dd, q), (p, dO)) for ``SourceBank.slot_grads`` (the native kernel). Without banks (this call
-    is every slot's only reader), fresh [D, ...] buffers."""
+    """The gradients of the depth tensors the consumer was handed (``moda_attention``): with banks, (dK_i, dV_i)
+    of the slots it wrote, i >= min(fresh of the two banks), each slot's total over every consumer (see
+    ``SourceBank.grad``): this consumer either adds its part into the banks' gradients in place (``add(Gk, Gv)``,
+    the eager form) or leaves ``records`` = ((dd, q), (p, dO)) for ``SourceBank.slot_grads`` (the native kernel).
+    Without banks (this call is every slot's only reader), (dK_0, dV_0, dK_1, ...) in fresh [D, ...] buffers."""
     D, kv_heads = dk.shape[0], dk.shape[2]
     if ctx.banks is None:
         if records is not None:
@@ -716,8 +722,8 @@ def _moda_depth_grads(ctx, dk, dv, acc, add=None, records=None) -> tuple:
     else:
         add(kb.grad(acc)[:D], vb.grad(acc)[:D])
     Gk, Gv = kb.slot_grads(fk, D, acc), vb.slot_grads(fv, D, acc)
-    grads = tuple(g for i in range(D) for g in (Gk[i - fk].to(dk.dtype) if i >= fk else None,
-                                                Gv[i - fv].to(dv.dtype) if i >= fv else None))
+    grads = tuple(g for i in range(min(fk, fv), D) for g in (Gk[i - fk].to(dk.dtype) if i >= fk else None,
+                                                             Gv[i - fv].to(dv.dtype) if i >= fv else None))
     if fk == 0:
         kb.release_grad()
     if fv == 0:
@@ -810,6 +816,36 @@ def _flash_exact(query, mask, depth_mask, n_depth: int) -> bool:
     return bool(live.any(-1).all())
 
 
+def _moda_flash(query, key, value, mask, scaling: float, depth_mask, dk, dv):
+    """(o [B, T, H, hd], lse [B, H, T]) of the joint softmax over [sequence | depth], fp32 (``_MoDAFlash``'s forward):
+    the sequence part by the CPU flash kernel, merged with the depth scores by log-sum-exp."""
+    acc = _acc_dtype(query.dtype)
+    n_rep = query.shape[1] // key.shape[1]
+    low = torch.finfo(acc).min
+    q, k, v = query.to(acc), key.to(acc), value.to(acc)
+    causal, amask = _flash_mask(mask, q.shape[-2], k.shape[-2], acc, low)
+    out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=amask, scale=scaling)
+    o = out.transpose(1, 2)  # [B, T, H, hd], contiguous
+    if dk is not None:
+        dka, dva, live = dk.to(acc), dv.to(acc), _live(depth_mask, dk.shape[0])
+        if _native(q, dka, dva, o, lse, live):  # o and lse become the joint softmax's, in place
+            native.moda_depth_forward(q, dka, dva, o, lse, live, scaling)
+        else:
+            sd = _depth_dot(q, dka, n_rep) * scaling
+            if depth_mask is not None:
+                sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
+            total = torch.logaddexp(lse, torch.logsumexp(sd, dim=-1))
+            o = o * torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
+            o = o + _depth_mix_gqa(torch.exp(sd - total.unsqueeze(-1)), dva, n_rep).transpose(1, 2)
+            lse = total
+    return o, lse
+
+
+def _moda_flash_output(query, key, value, mask, scaling: float, depth_mask, dk, dv) -> torch.Tensor:
+    """``_MoDAFlash``'s output without autograd (a prompt, an evaluation batch, a decoding step)."""
+    return _moda_flash(query, key, value, mask, scaling, depth_mask, dk, dv)[0].to(query.dtype)
+
+
 class _MoDAFlash(torch.autograd.Function):
     """``_MoDAAttention`` with the sequence part in the CPU flash kernel: its output and log-sum-exp are merged
     with the explicit depth scores [B, H, T, D] by log-sum-exp (one softmax over [sequence | depth]); the backward
@@ -818,29 +854,10 @@ class _MoDAFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth):
-        acc = _acc_dtype(query.dtype)
-        n_rep = query.shape[1] // key.shape[1]
-        low = torch.finfo(acc).min
-        q, k, v = query.to(acc), key.to(acc), value.to(acc)
-        causal, amask = _flash_mask(mask, q.shape[-2], k.shape[-2], acc, low)
-        out, lse = _FLASH(q, k, v, 0.0, causal, attn_mask=amask, scale=scaling)
-        o = out.transpose(1, 2)  # [B, T, H, hd], contiguous
-        if dk is not None:
-            dka, dva, live = dk.to(acc), dv.to(acc), _live(depth_mask, dk.shape[0])
-            if _native(q, dka, dva, o, lse, live):  # o and lse become the joint softmax's, in place
-                native.moda_depth_forward(q, dka, dva, o, lse, live, scaling)
-            else:
-                sd = _depth_dot(q, dka, n_rep) * scaling
-                if depth_mask is not None:
-                    sd = sd.masked_fill(~depth_mask.to(torch.bool), low)
-                total = torch.logaddexp(lse, torch.logsumexp(sd, dim=-1))
-                o = o * torch.exp(lse - total).transpose(1, 2).unsqueeze(-1)
-                o = o + _depth_mix_gqa(torch.exp(sd - total.unsqueeze(-1)), dva, n_rep).transpose(1, 2)
-                lse = total
+        o, lse = _moda_flash(query, key, value, mask, scaling, depth_mask, dk, dv)
         ctx.save_for_backward(query, key, value, mask, depth_mask, dk, dv, o, lse)
-        ctx.scaling, ctx.n_depth = scaling, len(depth)
-        ctx.banks = banks
-        ctx.fresh = None if banks is None else (banks[0].fresh, banks[1].fresh)
+        ctx.scaling = scaling
+        _keep_banks(ctx, banks)
         return o.to(query.dtype)
 
     @staticmethod
@@ -886,6 +903,7 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
     if mask is not None and mask.dim() != 4:
         raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
     dk = dv = banks = None
+    handed = depth  # the depth tensors autograd sees: every slot, or with banks the slots this call wrote
     if depth:
         keys, values = depth[0::2], depth[1::2]
         kb, vb = SourceBank.of(depth[0]), SourceBank.of(depth[1])
@@ -895,8 +913,14 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
             dk, dv = torch.stack([k.detach() for k in keys]), torch.stack([v.detach() for v in values])
         else:
             banks = (kb, vb)
-    fn = _MoDAFlash if _flash_exact(query, mask, depth_mask, len(depth)) else _MoDAAttention
-    return _outside_autocast(query, fn.apply, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *depth)
+            # an earlier slot's gradient is handed on by its first reader (``SourceBank.grad``), through the bank: a
+            # later reader is no edge of its producer's graph (O(L) edges in all, not one per slot and reader)
+            handed = depth[2 * min(kb.fresh, vb.fresh):]
+    flash = _flash_exact(query, mask, depth_mask, len(depth))
+    if flash and SourceBank.enabled() and not torch.is_grad_enabled():  # nothing to save: no autograd Function
+        return _outside_autocast(query, _moda_flash_output, query, key, value, mask, scaling, depth_mask, dk, dv)
+    fn = _MoDAFlash if flash else _MoDAAttention
+    return _outside_autocast(query, fn.apply, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *handed)
 
 
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

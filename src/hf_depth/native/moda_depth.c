@@ -20,7 +20,7 @@
  * H = Hkv rep (GQA: the rep query heads of one kv head are handled together, so a bank row is read once).
  * Work items are (b, kv head, chunk of TC tokens); a call handles items [item0, item1) (threads split the range).
  * Within an item the slots are the outer loop, SB of them at a time, so each pass streams TC contiguous rows of
- * SB slots; the backward's second pass over K finds the item's rows still in cache. No FMA contraction
+ * SB slots; the backward reads V first and K last, so its second pass over K (dq) finds the item's rows in cache. No FMA contraction
  * (-std=c99): each product and sum rounds as in the eager form.
  */
 #include <math.h>
@@ -37,10 +37,14 @@
 #define SB 8
 #endif
 
-/* y += sum_u w[u] x[u slot + .] over jn rows of consecutive slots */
+/* y += sum_u w[u] x[u slot + .] over jn rows of consecutive slots, four per pass over y (hfd_axpy4: the terms in
+ * order, the bits of jn hfd_axpy calls) */
 static inline void axpy_slots(float *restrict y, const float *restrict w, const float *restrict x, int64_t slot,
                               int64_t jn, int64_t n) {
-    for (int64_t u = 0; u < jn; u++) hfd_axpy(y, w[u], x + u * slot, n);
+    int64_t u = 0;
+    for (; u + 4 <= jn; u += 4)
+        hfd_axpy4(y, w + u, x + u * slot, x + (u + 1) * slot, x + (u + 2) * slot, x + (u + 3) * slot, n);
+    for (; u < jn; u++) hfd_axpy(y, w[u], x + u * slot, n);
 }
 
 typedef struct {
@@ -144,8 +148,8 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
         const int64_t rk = x.b * sk[1] + x.hk * sk[2] + x.t0 * sk[3], rv = x.b * sv[1] + x.hk * sv[2] + x.t0 * sv[3];
         gather(qc, q, sq, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
         gather(dc, dout, sd, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
-        slot_dots(p, qc, K + rk, live, D, sk[0], sk[3], rep, x.tn, hd, scaling);   /* the K pass: scores */
         slot_dots(dd, dc, V + rv, live, D, sv[0], sv[3], rep, x.tn, hd, 1.0f);     /* the V pass: dO . V_j */
+        slot_dots(p, qc, K + rk, live, D, sk[0], sk[3], rep, x.tn, hd, scaling);   /* the K pass: scores */
         for (int64_t r = 0; r < rep; r++)
             for (int64_t ti = 0; ti < x.tn; ti++) {
                 const int64_t h = x.hk * rep + r, k = r * TC + ti;
@@ -179,66 +183,82 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
  * with (W, X) = (dd, q) for keys and (p, dO) for values. W_i [D_i, B, H, T] contiguous; X_i [B, H, T, hd] with
  * strides xs[4 i .. 4 i + 3]; G [j1 - j0, B, Hkv, T, hd] contiguous, written once (or, with ``accumulate``, the
  * consumers' sum added to it: AttnRes' grouped bank gradients, native.SlotGrads with an accumulator). Work items are
- * (b, chunk of GT tokens); per output row the consumers are the inner loop (their rows streamed side by side, four
- * terms per pass over the row), so each row is summed in an L1-resident accumulator and stored once. */
+ * (b, chunk of GT tokens), cut into tiles of tt tokens x every kv head, whose output rows fit an ACC-float accumulator
+ * (L1-resident; one token where a token's rows alone exceed it). Per tile and slot the consumers are taken four at a
+ * time, each four read over the tile's tokens and heads in memory order (the attention's q and dO are [B, T, H, hd]
+ * in memory: a token's heads are adjacent), so few streams are in flight; each row's terms are still added in
+ * (head, consumer) order, four per pass over the row (hfd_axpy4), and each row is stored once. */
 #ifndef GT
 #define GT 32
+#endif
+#ifndef ACC
+#define ACC 4096
 #endif
 
 int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn, const float *const *X,
                         const int64_t *xs, float *G, int64_t j0, int64_t j1, int64_t B, int64_t H, int64_t Hkv,
                         int64_t T, int64_t hd, int64_t accumulate, int64_t item0, int64_t item1) {
     const int64_t rep = H / Hkv, slot = B * Hkv * T * hd, nj = j1 - j0, chunks = (T + GT - 1) / GT, plane = B * H * T;
-    float *acc = malloc(sizeof(float) * (size_t)(nj * hd));
-    const float **row = malloc(sizeof(float *) * (size_t)(2 * ncons));  /* per consumer: its x row, its weights */
-    if (!acc || !row) {
+    /* tokens per tile: the tile's accumulator rows [Hkv][nj][tt][hd] stay within ACC floats (at least one token) */
+    int64_t tt = ACC / (Hkv * nj * hd > 0 ? Hkv * nj * hd : 1);
+    tt = tt < 1 ? 1 : tt > GT ? GT : tt;
+    const int64_t arow = tt * hd, ahk = nj * arow;  /* acc strides: per slot, per kv head */
+    float *acc = malloc(sizeof(float) * (size_t)(Hkv * ahk));
+    int64_t *cs = malloc(sizeof(int64_t) * (size_t)(ncons + 1));
+    if (!acc || !cs) {
         free(acc);
-        free(row);
+        free(cs);
         return 1;
     }
-    const float **wts = row + ncons;
     int unit = 1;
     for (int64_t c = 0; c < ncons; c++) unit &= xs[4 * c + 3] == 1;
     for (int64_t it = item0; it < item1; it++) {
-        const int64_t b = it / chunks, t0 = (it % chunks) * GT, tn = T - t0 < GT ? T - t0 : GT;
-        for (int64_t t = t0; t < t0 + tn; t++)
-            for (int64_t hk = 0; hk < Hkv; hk++) {
-                memset(acc, 0, sizeof(float) * (size_t)(nj * hd));
-                for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
-                    for (int64_t c = 0; c < ncons; c++) {
-                        const int64_t *st = xs + 4 * c;
-                        wts[c] = W[c] + (b * H + h) * T + t;  /* + j B H T: slot j's weight */
-                        row[c] = X[c] + b * st[0] + h * st[1] + t * st[2];
-                    }
-                    for (int64_t j = j0; j < j1; j++) {  /* each row's terms in consumer order, four per pass */
-                        float *a = acc + (j - j0) * hd, w4[4];
-                        const float *x4[4];
-                        int m = 0;
-                        for (int64_t c = 0; c < ncons; c++) {
-                            if (j >= Dn[c]) continue;
-                            const float wj = wts[c][j * plane];
-                            if (!unit) {
-                                for (int64_t k = 0; k < hd; k++) a[k] += wj * row[c][k * xs[4 * c + 3]];
-                                continue;
+        const int64_t b = it / chunks, c0 = (it % chunks) * GT, cn = T - c0 < GT ? T - c0 : GT;
+        for (int64_t t0 = c0; t0 < c0 + cn; t0 += tt) {
+            const int64_t tn = c0 + cn - t0 < tt ? c0 + cn - t0 : tt;
+            memset(acc, 0, sizeof(float) * (size_t)(Hkv * ahk));
+            for (int64_t r = 0; r < rep; r++)
+                for (int64_t j = j0; j < j1; j++) {
+                    /* the consumers that read slot j, in order: each row's terms in (head of the kv head, consumer)
+                     * order, four consumers per pass over the tile's rows */
+                    int64_t m = 0;
+                    for (int64_t c = 0; c < ncons; c++)
+                        if (j < Dn[c]) cs[m++] = c;
+                    for (int64_t k = 0; k < m; k += 4) {
+                        const int64_t u = m - k < 4 ? m - k : 4;
+                        for (int64_t ti = 0; ti < tn; ti++)
+                            for (int64_t hk = 0; hk < Hkv; hk++) {
+                                const int64_t h = hk * rep + r;
+                                float *a = acc + hk * ahk + (j - j0) * arow + ti * hd, w4[4];
+                                const float *x4[4];
+                                for (int64_t e = 0; e < u; e++) {
+                                    const int64_t c = cs[k + e], *st = xs + 4 * c;
+                                    w4[e] = W[c][j * plane + (b * H + h) * T + t0 + ti];
+                                    x4[e] = X[c] + b * st[0] + h * st[1] + (t0 + ti) * st[2];
+                                }
+                                if (!unit) {
+                                    for (int64_t e = 0; e < u; e++)
+                                        for (int64_t i = 0; i < hd; i++) a[i] += w4[e] * x4[e][i * xs[4 * cs[k + e] + 3]];
+                                } else if (u == 4) {
+                                    hfd_axpy4(a, w4, x4[0], x4[1], x4[2], x4[3], hd);
+                                } else {
+                                    for (int64_t e = 0; e < u; e++) hfd_axpy(a, w4[e], x4[e], hd);
+                                }
                             }
-                            w4[m] = wj, x4[m] = row[c];
-                            if (++m == 4) {
-                                hfd_axpy4(a, w4, x4[0], x4[1], x4[2], x4[3], hd);
-                                m = 0;
-                            }
-                        }
-                        for (int u = 0; u < m; u++) hfd_axpy(a, w4[u], x4[u], hd);
                     }
                 }
-                for (int64_t j = 0; j < nj; j++) {
-                    float *g = G + j * slot + ((b * Hkv + hk) * T + t) * hd;
-                    if (accumulate) hfd_axpy(g, 1.0f, acc + j * hd, hd);
-                    else memcpy(g, acc + j * hd, sizeof(float) * (size_t)hd);
-                }
-            }
+            for (int64_t hk = 0; hk < Hkv; hk++)
+                for (int64_t j = 0; j < nj; j++)
+                    for (int64_t ti = 0; ti < tn; ti++) {
+                        float *g = G + j * slot + ((b * Hkv + hk) * T + t0 + ti) * hd;
+                        const float *a = acc + hk * ahk + j * arow + ti * hd;
+                        if (accumulate) hfd_axpy(g, 1.0f, a, hd);
+                        else memcpy(g, a, sizeof(float) * (size_t)hd);
+                    }
+        }
     }
     free(acc);
-    free(row);
+    free(cs);
     return 0;
 }
 
