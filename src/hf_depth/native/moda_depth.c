@@ -204,11 +204,18 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
     tt = tt < 1 ? 1 : tt > GT ? GT : tt;
     const int64_t arow = tt * hd, ahk = nj * arow;  /* acc strides: per slot, per kv head */
     float *acc = malloc(sizeof(float) * (size_t)(Hkv * ahk));
-    int64_t *cs = malloc(sizeof(int64_t) * (size_t)(ncons + 1));
-    if (!acc || !cs) {
+    /* per slot, the consumers that read it, in order (ms[j - j0] of them at cs + (j - j0) ncons), listed once */
+    int64_t *ms = malloc(sizeof(int64_t) * (size_t)(nj * (ncons + 1) + 1));
+    if (!acc || !ms) {
         free(acc);
-        free(cs);
+        free(ms);
         return 1;
+    }
+    int64_t *cs = ms + nj;
+    for (int64_t j = 0; j < nj; j++) {
+        ms[j] = 0;
+        for (int64_t c = 0; c < ncons; c++)
+            if (j0 + j < Dn[c]) cs[j * ncons + ms[j]++] = c;
     }
     int unit = 1;
     for (int64_t c = 0; c < ncons; c++) unit &= xs[4 * c + 3] == 1;
@@ -219,11 +226,9 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
             memset(acc, 0, sizeof(float) * (size_t)(Hkv * ahk));
             for (int64_t r = 0; r < rep; r++)
                 for (int64_t j = j0; j < j1; j++) {
-                    /* the consumers that read slot j, in order: each row's terms in (head of the kv head, consumer)
-                     * order, four consumers per pass over the tile's rows */
-                    int64_t m = 0;
-                    for (int64_t c = 0; c < ncons; c++)
-                        if (j < Dn[c]) cs[m++] = c;
+                    /* each row's terms in (head of the kv head, consumer) order, four consumers per pass over the
+                     * tile's rows */
+                    const int64_t m = ms[j - j0], *cj = cs + (j - j0) * ncons;
                     for (int64_t k = 0; k < m; k += 4) {
                         const int64_t u = m - k < 4 ? m - k : 4;
                         for (int64_t ti = 0; ti < tn; ti++)
@@ -232,13 +237,13 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
                                 float *a = acc + hk * ahk + (j - j0) * arow + ti * hd, w4[4];
                                 const float *x4[4];
                                 for (int64_t e = 0; e < u; e++) {
-                                    const int64_t c = cs[k + e], *st = xs + 4 * c;
+                                    const int64_t c = cj[k + e], *st = xs + 4 * c;
                                     w4[e] = W[c][j * plane + (b * H + h) * T + t0 + ti];
                                     x4[e] = X[c] + b * st[0] + h * st[1] + (t0 + ti) * st[2];
                                 }
                                 if (!unit) {
                                     for (int64_t e = 0; e < u; e++)
-                                        for (int64_t i = 0; i < hd; i++) a[i] += w4[e] * x4[e][i * xs[4 * cs[k + e] + 3]];
+                                        for (int64_t i = 0; i < hd; i++) a[i] += w4[e] * x4[e][i * xs[4 * cj[k + e] + 3]];
                                 } else if (u == 4) {
                                     hfd_axpy4(a, w4, x4[0], x4[1], x4[2], x4[3], hd);
                                 } else {
@@ -258,7 +263,7 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
         }
     }
     free(acc);
-    free(cs);
+    free(ms);
     return 0;
 }
 
