@@ -14,6 +14,7 @@ import torch
 
 from hf_depth.models import design_attnres, design_hc, design_moda, functional
 from hf_depth.models.modeling_depth import apply_rotary_pos_emb
+from hf_depth.models.residual import SublayerConnection
 
 
 def attnres_aggregate(self, sources, stable=None):
@@ -40,6 +41,24 @@ def moda_attend(self, module, q, k_new, v_new, k, v, attention_mask, position_em
     return functional.moda_attention(q, k, v, dk, dv, attention_mask, module.scaling, mask)
 
 
+def moda_read(self, state, norm):
+    x = norm(state[0])
+    if self.is_attention:
+        return x, design_moda.DepthKV(tuple(state[1:]), self.layer.mask_depth, self.rotate)
+    return x, x
+
+
+def moda_write(self, state, out, carry):  # the FFN's key unrotated: the next attention rotates it (``moda_attend``)
+    h = state[0] + out
+    if self.is_attention:
+        return (h, *carry.depth, *carry.own)
+    proj = self.layer.kv_proj
+    if proj is None:
+        return (h, *state[1:])
+    k, v = proj(carry).view(*carry.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+    return (h, *state[1:], k, v)
+
+
 def multistream_read(self, state, norm):
     with design_hc.routing_precision(state):
         x, mixed, write_weights, seen = self.route(state)
@@ -60,6 +79,9 @@ PATCHES = [
     (design_attnres.DepthAggregation, "forward", attnres_aggregate),
     (design_attnres.AttnResStream, "init", attnres_init),
     (design_moda.DepthKV, "attend", moda_attend),
+    (design_moda.MoDAConnection, "read", moda_read),
+    (design_moda.MoDAConnection, "write", moda_write),
+    (design_moda.MoDAConnection, "write_then_read", SublayerConnection.write_then_read),
 ]
 
 

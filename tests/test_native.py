@@ -125,6 +125,67 @@ def test_model_native_equals_eager(layers, monkeypatch):
             torch.testing.assert_close(got_grads[name], eager[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+KV_WRITE_CASES = {"mha-rotated": (2, 13, 4, 16, "batch"), "gqa-rotated-broadcast": (3, 7, 2, 8, "one"),
+                  "mqa-unrotated": (2, 5, 1, 32, None), "one-token": (1, 1, 3, 6, "one")}
+
+
+def _kv_write_ops(kv, kv_heads, positions):
+    """What MoDA's FFN write did before the kernel: the views of ``kv`` and ``rotate`` of the key."""
+    from hf_depth.models.modeling_depth import rotate
+
+    B, T, width = kv.shape
+    k, v = kv.view(B, T, 2, kv_heads, width // (2 * kv_heads)).transpose(1, 3).unbind(2)
+    return (k if positions is None else rotate(k, *positions)), v
+
+
+@pytest.mark.parametrize("case", sorted(KV_WRITE_CASES))
+def test_ffn_depth_kv_kernel_equals_the_ops_bit_for_bit(case):
+    """``moda_ffn_depth_kv`` (the split, transposed and rotated FFN key and value in one native pass, and its backward)
+    gives the ops' K, V and the ops' gradient of kv bit for bit: MHA, GQA, MQA, unrotated, one token, a position table
+    broadcast over the batch, a strided kv (a slice of a wider product), and either gradient missing."""
+    B, T, kvh, hd, pos = KV_WRITE_CASES[case]
+    g = torch.Generator().manual_seed(7)
+    wide = torch.randn(B, T, 2 * kvh * hd + 5, generator=g)
+    positions = None
+    if pos is not None:
+        table = torch.randn(2, 1 if pos == "one" else B, T, hd, generator=g)
+        positions = (table[0], table[1])
+    gk, gv = torch.randn(B, kvh, T, hd, generator=g), torch.randn(B, kvh, T, hd, generator=g)
+    for grads in ((gk, gv), (gk, None), (None, gv)):
+        got, want = [], []
+        for fn, out in ((depth_ops.moda_ffn_depth_kv, got), (_kv_write_ops, want)):
+            kv = wide[..., 3 : 3 + 2 * kvh * hd].detach().requires_grad_(True)
+            k, v = fn(kv, kvh, positions)
+            pairs = [(t, gr) for t, gr in zip((k, v), grads) if gr is not None]
+            torch.autograd.backward([t for t, _ in pairs], [gr for _, gr in pairs])
+            out += [k.detach(), v.detach(), kv.grad]
+        assert got[0].is_contiguous() and got[1].is_contiguous()
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_ffn_depth_kv_kernel_declines_what_it_does_not_take():
+    """bf16, an odd head size, a table of another length or a last stride other than 1: the ops run (None)."""
+    kv, cos = torch.randn(2, 5, 32), torch.randn(1, 5, 8)
+    assert depth_ops.moda_ffn_depth_kv(kv, 2, (cos, cos)) is not None
+    assert depth_ops.moda_ffn_depth_kv(kv.bfloat16(), 2, (cos.bfloat16(), cos.bfloat16())) is None
+    assert depth_ops.moda_ffn_depth_kv(torch.randn(2, 5, 30), 3, None) is None  # head size 5
+    assert depth_ops.moda_ffn_depth_kv(kv, 2, (cos[:, :4], cos[:, :4])) is None
+    assert depth_ops.moda_ffn_depth_kv(torch.randn(2, 32, 5).transpose(1, 2), 2, None) is None
+    assert not native.moda_kv_supported(kv, 3, None)  # 32 is not 2 x 3 x hd
+
+
+def test_an_ffn_read_on_its_own_cannot_write_an_unrotated_key():
+    """``moda_depth_rope="rotated"``: the FFN's key needs the positions the attention hands over in
+    ``write_then_read``; an FFN connection called on its own says so instead of writing the key unrotated."""
+    model = tiny_model("moda", num_hidden_layers=2)
+    layer = model.model.layers[0]
+    h = torch.randn(1, 3, model.config.hidden_size)
+    x, carry = layer.mlp_connection.read((h,), layer.post_attention_layernorm)
+    with pytest.raises(ValueError, match="write_then_read"):
+        layer.mlp_connection.write((h,), layer.mlp(x), carry)
+
+
 def test_switched_off_or_without_a_compiler_the_eager_form_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_DEPTH_NATIVE", "0")
     assert native.library() is None

@@ -923,6 +923,34 @@ def moda_attention(query, key, value, depth: tuple, mask, scaling: float, depth_
     return _outside_autocast(query, fn.apply, query, key, value, mask, scaling, depth_mask, dk, dv, banks, *handed)
 
 
+class _FFNDepthKV(torch.autograd.Function):
+    """``native.moda_kv_write`` with its backward ``native.moda_kv_grad``: the ops' values and gradients bit for bit,
+    one pass each way (the ops take ~15 per FFN sublayer, forward and backward, on stream-sized tensors)."""
+
+    @staticmethod
+    def forward(ctx, kv, cos, sin, kv_heads):
+        ctx.save_for_backward(cos, sin)  # the position tables the attention keeps anyway: no new memory
+        ctx.kv_heads, ctx.shape = kv_heads, kv.shape
+        return native.moda_kv_write(kv, kv_heads, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        cos, sin = ctx.saved_tensors
+        B, T, width = ctx.shape
+        dk, dv = (None if g is None else g if g.stride(-1) == 1 else g.contiguous() for g in (dk, dv))
+        return native.moda_kv_grad(dk, dv, cos, sin, B, T, ctx.kv_heads, width // (2 * ctx.kv_heads)), None, None, None
+
+
+def moda_ffn_depth_kv(kv: torch.Tensor, kv_heads: int, positions=None):
+    """(K, V) [B, Hkv, T, hd] of an FFN sublayer's ``kv_proj`` output ``kv`` [B, T, 2 Hkv hd] (rows [k | v]), K rotated
+    at the token's position by ``positions`` = (cos, sin) where given, in one native pass each way (fp32 on CPU, the
+    ops' values and gradients bit for bit); None where the native path does not run (the caller runs the ops)."""
+    cos, sin = (None, None) if positions is None else positions
+    if not (_native_ok() and native.library() is not None and native.moda_kv_supported(kv, kv_heads, cos, sin)):
+        return None
+    return _FFNDepthKV.apply(kv, cos, sin, kv_heads)
+
+
 def attach_moda_banks(k: torch.Tensor, v: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first depth K/V of a forward, each aliased with a bank of ``capacity`` slots."""
     return SourceBank.attach(k, capacity), SourceBank.attach(v, capacity)

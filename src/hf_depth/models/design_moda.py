@@ -29,11 +29,13 @@ Extra parameters: 2 d n_kv head_dim per block except the last (48.2M at L=24, d=
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from .configuration_depth import DepthConfig, _choice
-from .depth_ops import attach_moda_banks, moda_attention
+from .depth_ops import attach_moda_banks, moda_attention, moda_ffn_depth_kv
 from .modeling_depth import DepthForCausalLM, DepthModel, rotate
 from .olmo_rules import OlmoRules, one, pre_norms
 from .residual import STREAM_BYTES, AttentionCarry, Design, ResidualStream, SublayerConnection, register
@@ -80,27 +82,32 @@ class DepthKV(AttentionCarry):
     ``attend``, which runs the one softmax over [sequence | depth] and keeps this sublayer's own K/V for ``write``.
 
     ``moda_depth_rope="rotated"``: the depth key is the key as it enters the sequence softmax (post-RoPE); the
-    preceding FFN's key arrives unrotated (the FFN's write has no positions) and is rotated here, at the token's
-    own position, exactly as the attention keys are, and written back rotated. ``"unrotated"`` (DepthBench):
-    depth keys are never rotated (the attention's own key is taken before RoPE)."""
+    FFN's key is rotated the same way, at the token's own position, when the FFN writes it (``MoDAConnection``
+    hands the FFN these positions). ``"unrotated"`` (DepthBench): depth keys are never rotated (the attention's own
+    key is taken before RoPE)."""
 
     def __init__(self, depth: tuple, mask_depth: bool, rotate: bool):
-        self.depth, self.mask_depth, self.rotate, self.own = depth, mask_depth, rotate, None
+        self.depth, self.mask_depth, self.rotate, self.own, self.positions = depth, mask_depth, rotate, None, None
 
     def attend(self, module, q, k_new, v_new, k, v, attention_mask, position_embeddings, raw_k=None):
         own_k = k_new if self.rotate or raw_k is None else raw_k
         self.own = (own_k, v_new)  # this token's depth K/V
+        self.positions = position_embeddings  # for the FFN's depth key (``MoDAConnection.write_then_read``)
         if not self.depth:  # the first depth K/V of the forward carry the banks every later one is copied into, once
             self.own = attach_moda_banks(own_k, v_new, 2 * module.config.num_hidden_layers - 1)
         if attention_mask is not None and attention_mask.dim() != 4:
             raise ValueError("MoDA needs a 4-D attention mask: use attn_implementation 'eager' or 'sdpa'")
-        depth = self.depth
-        if depth and self.rotate:  # the preceding FFN's key: rotated at the token's own position (distance 0)
-            cos, sin = position_embeddings
-            depth = self.depth = (*depth[:-2], rotate(depth[-2], cos, sin), depth[-1])
-        mask = torch.zeros(len(depth) // 2, dtype=torch.bool, device=q.device) if self.mask_depth else None
+        mask = torch.zeros(len(self.depth) // 2, dtype=torch.bool, device=q.device) if self.mask_depth else None
         # saved for backward: q, k, v and the depth banks (one storage each per forward), never a stacked copy
-        return moda_attention(q, k, v, depth, attention_mask, module.scaling, mask)
+        return moda_attention(q, k, v, self.depth, attention_mask, module.scaling, mask)
+
+
+class FFNInput(NamedTuple):
+    """The carry of a MoDA FFN sublayer: its normed input (``kv_proj``'s input) and the (cos, sin) of the tokens'
+    positions that the attention before it saw (None where the FFN was read on its own: its key cannot be rotated)."""
+
+    x: torch.Tensor
+    positions: tuple | None = None
 
 
 class MoDAConnection(SublayerConnection):
@@ -127,7 +134,13 @@ class MoDAConnection(SublayerConnection):
         x = norm(state[0])
         if self.is_attention:
             return x, DepthKV(tuple(state[1:]), self.layer.mask_depth, self.rotate)
-        return x, x
+        return x, FFNInput(x)
+
+    def write_then_read(self, state, out, carry, following, norm):
+        """The attention's write, then the FFN's read, whose carry also takes the positions the attention saw."""
+        state = self.write(state, out, carry)
+        x, ffn = following.read(state, norm)
+        return state, x, ffn._replace(positions=carry.positions)
 
     def write(self, state, out, carry):
         h = state[0] + out
@@ -136,8 +149,18 @@ class MoDAConnection(SublayerConnection):
         proj = self.layer.kv_proj
         if proj is None:
             return (h, *state[1:])
-        k, v = proj(carry).view(*carry.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
-        return (h, *state[1:], k, v)  # k rotated by the next attention sublayer ("rotated")
+        if self.rotate and carry.positions is None:
+            raise ValueError("MoDA's FFN writes its depth key rotated at the tokens' positions: run it after the "
+                             "attention (``write_then_read``), which hands it the positions")
+        kv = proj(carry.x)
+        positions = carry.positions if self.rotate else None
+        fused = moda_ffn_depth_kv(kv, self.num_kv_heads, positions)  # one native pass each way (CPU fp32)
+        if fused is not None:
+            return (h, *state[1:], *fused)
+        k, v = kv.view(*kv.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+        if positions is not None:  # rotated at the token's own position, as the attention keys are (distance 0)
+            k = rotate(k, *positions)
+        return (h, *state[1:], k, v)
 
     def skipped(self, state):
         """DepthBench: a removed block writes no depth K/V, its slots stay zero (they still enter the softmax)."""

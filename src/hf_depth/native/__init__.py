@@ -40,7 +40,8 @@ SOURCES = ("moda_depth.c", "stream_mix.c", "attnres_agg.c")
 #: included by the sources (part of the build key: a change rebuilds)
 HEADERS = ("common.h",)
 #: the native ops, by what they serve
-OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash)",
+OPS = {"moda_depth": "MoDA's depth scores, merge and mix, and their backward (depth_ops._MoDAFlash); an FFN's depth "
+                     "K/V (split, transposed, the key rotated) and its backward (depth_ops.moda_ffn_depth_kv)",
        "stream_mix": "HC / mHC stream mixing and the write's and the mixing's backward (depth_ops._Route, _Write)",
        "sinkhorn": "mHC's Sinkhorn-Knopp and its backward, per token (design_mhc, through depth_ops.native_stream_op)",
        "hc_route": "dynamic HC's whole routing (1/rms, projection, gates, mixing) and its backward, per token "
@@ -166,11 +167,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_agg_fwd.argtypes = [P, N, P, N, N, P, P, F, P, P, P, P, N, N, N]
     lib.hfd_slot_write.argtypes = [P, N, P, P, F, N, N, N]
     lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, N, P, P, N, N, N]
+    lib.hfd_moda_kv_write.argtypes = [P, P, P, P, P, P, P, N, N, N, N, N]
+    lib.hfd_moda_kv_grad.argtypes = [P, P, P, P, P, P, P, P, N, N, N, N, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
                lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_block_sums,
-               lib.hfd_agg_fwd, lib.hfd_agg_bwd, lib.hfd_slot_write):
+               lib.hfd_agg_fwd, lib.hfd_agg_bwd, lib.hfd_slot_write, lib.hfd_moda_kv_write, lib.hfd_moda_kv_grad):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -268,6 +271,64 @@ def moda_depth_backward(q, dout, dq, K, V, o, lse, live, scaling: float) -> tupl
             _ptr(lse), sl, _ptr(live), _ptr(p), _ptr(dd), D, B, H, Hkv, T, hd, scaling)
     _parallel(lambda lo, hi: lib.hfd_moda_depth_bwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T))
     return p, dd
+
+
+def _positions(cos, sin, B: int, T: int, hd: int):
+    """(cos, sin, strides) for the kernels' [B, T, hd] tables (a batch of 1 broadcasts: stride 0), or False where
+    they do not fit (another shape, dtype or device, a last stride other than 1, cos and sin strided apart)."""
+    if cos is None:
+        return None, None, None
+    ok = all(t.is_cpu and t.dtype == torch.float32 and t.dim() == 3 and t.shape[0] in (1, B) and t.shape[1:] == (T, hd)
+             and t.stride(-1) == 1 for t in (cos, sin)) and cos.stride() == sin.stride()
+    if not ok:
+        return False
+    st = cos.stride()
+    return cos, sin, (ctypes.c_int64 * 3)(0 if cos.shape[0] == 1 else st[0], st[1], 1)
+
+
+def moda_kv_supported(kv: torch.Tensor, kv_heads: int, cos=None, sin=None) -> bool:
+    """Whether ``moda_kv_write`` takes these: fp32 CPU ``kv`` [B, T, 2 Hkv hd] (last stride 1, hd even) and, where
+    given, fp32 CPU ``cos``, ``sin`` [B or 1, T, hd] with the same strides, the last 1."""
+    if kv.dim() != 3 or kv_heads < 1 or kv.shape[-1] % (2 * kv_heads):
+        return False
+    B, T, width = kv.shape
+    hd = width // (2 * kv_heads)
+    return (kv.is_cpu and kv.dtype == torch.float32 and kv.stride(-1) == 1 and hd % 2 == 0
+            and _positions(cos, sin, B, T, hd) is not False)
+
+
+def moda_kv_write(kv: torch.Tensor, kv_heads: int, cos=None, sin=None):
+    """(K, V) [B, Hkv, T, hd] contiguous from an FFN's ``kv_proj`` output ``kv`` [B, T, 2 Hkv hd] (rows [k | v]), K
+    rotated by RoPE at the token's position where ``cos``, ``sin`` [B or 1, T, hd] are given (``rotate``'s values,
+    bit for bit), in one pass; None where the kernel declines the tensors (``moda_kv_supported``)."""
+    if not moda_kv_supported(kv, kv_heads, cos, sin):
+        return None
+    lib = library()
+    B, T, width = kv.shape
+    hd = width // (2 * kv_heads)
+    cos, sin, sc = _positions(cos, sin, B, T, hd)
+    K, V = (torch.empty((B, kv_heads, T, hd), dtype=torch.float32) for _ in range(2))
+    s = (ctypes.c_int64 * 4)(kv.stride(0), kv.stride(1), kv_heads * hd, hd)
+    args = (_ptr(kv), s, _ptr(cos), _ptr(sin), sc, _ptr(K), _ptr(V), T, kv_heads, hd)
+    _parallel(lambda lo, hi: lib.hfd_moda_kv_write(*args, lo, hi), B * T, min_items=256)
+    return K, V
+
+
+def moda_kv_grad(gK, gV, cos, sin, B: int, T: int, kv_heads: int, hd: int):
+    """``moda_kv_write``'s backward: the gradient [B, T, 2 Hkv hd] of ``kv`` from those of K and V ([B, Hkv, T, hd],
+    either None for zero; fp32 CPU, the last stride 1) and the forward's ``cos``, ``sin``."""
+    pos = _positions(cos, sin, B, T, hd)
+    grads = [g for g in (gK, gV) if g is not None]
+    if pos is False or not all(g.is_cpu and g.dtype == torch.float32 and g.shape == (B, kv_heads, T, hd)
+                               and g.stride(-1) == 1 for g in grads):
+        raise ValueError(f"moda_kv_grad: gK and gV must be fp32 CPU tensors [{B}, {kv_heads}, {T}, {hd}] with a last "
+                         "stride of 1, and cos, sin the forward's tables")
+    lib = library()
+    g = torch.empty((B, T, 2 * kv_heads * hd), dtype=torch.float32)
+    sk, sv = (None if x is None else _strides(x) for x in (gK, gV))
+    args = (_ptr(gK), sk, _ptr(gV), sv, _ptr(pos[0]), _ptr(pos[1]), pos[2], _ptr(g), T, kv_heads, hd)
+    _parallel(lambda lo, hi: lib.hfd_moda_kv_grad(*args, lo, hi), B * T, min_items=256)
+    return g
 
 
 class SlotGrads:

@@ -270,3 +270,71 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
 /* The work-item sizes, read by the Python side to count the items. */
 int64_t hfd_moda_items(int64_t B, int64_t Hkv, int64_t T) { return B * Hkv * ((T + TC - 1) / TC); }
 int64_t hfd_moda_grad_items(int64_t B, int64_t T) { return B * ((T + GT - 1) / GT); }
+
+/* An FFN sublayer's depth K/V from its ``kv_proj`` output kv [B, T, 2, Hkv, hd] (strides s, the last 1; rows [k | v]):
+ * K, V [B, Hkv, T, hd] contiguous, K rotated at the token's own position where cos != NULL (cos, sin [B, T, hd],
+ * strides sc, the last 1; a batch stride of 0 broadcasts), with ``rotate``'s ops and rounding:
+ *   K_i = k_i c_i + (-k_{i+h}) s_i  (i < h),   k_i c_i + k_{i-h} s_i  (i >= h),   h = hd / 2
+ * (rotate_half(k) = [-k2, k1]; each product and the sum rounded, no contraction). Work items are tokens. */
+int hfd_moda_kv_write(const float *kv, const int64_t *s, const float *cos, const float *sin, const int64_t *sc,
+                      float *K, float *V, int64_t T, int64_t Hkv, int64_t hd, int64_t item0, int64_t item1) {
+    const int64_t h = hd / 2;
+    for (int64_t it = item0; it < item1; it++) {
+        const int64_t b = it / T, t = it % T;
+        const float *c = cos ? cos + b * sc[0] + t * sc[1] : NULL, *sn = sin ? sin + b * sc[0] + t * sc[1] : NULL;
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            const float *k = kv + b * s[0] + t * s[1] + hk * s[3], *v = k + s[2];
+            float *ko = K + ((b * Hkv + hk) * T + t) * hd, *vo = V + ((b * Hkv + hk) * T + t) * hd;
+            memcpy(vo, v, sizeof(float) * (size_t)hd);
+            if (!c) {
+                memcpy(ko, k, sizeof(float) * (size_t)hd);
+                continue;
+            }
+            for (int64_t i = 0; i < h; i++) {
+                const float a = k[i] * c[i], r = (-k[i + h]) * sn[i];
+                ko[i] = a + r;
+            }
+            for (int64_t i = h; i < hd; i++) {
+                const float a = k[i] * c[i], r = k[i - h] * sn[i];
+                ko[i] = a + r;
+            }
+        }
+    }
+    return 0;
+}
+
+/* Its backward: g [B, T, 2, Hkv, hd] contiguous from gK, gV [B, Hkv, T, hd] (strides sk, sv, the last 1; NULL: zero),
+ * the gradient autograd gives ``rotate``'s ops (the product's, plus rotate_half's moved and negated part):
+ *   gk_i = gK_i c_i + gK_{i+h} s_{i+h}  (i < h),   gK_i c_i + (-(gK_{i-h} s_{i-h}))  (i >= h) */
+int hfd_moda_kv_grad(const float *gK, const int64_t *sk, const float *gV, const int64_t *sv, const float *cos,
+                     const float *sin, const int64_t *sc, float *g, int64_t T, int64_t Hkv, int64_t hd, int64_t item0,
+                     int64_t item1) {
+    const int64_t h = hd / 2;
+    for (int64_t it = item0; it < item1; it++) {
+        const int64_t b = it / T, t = it % T;
+        const float *c = cos ? cos + b * sc[0] + t * sc[1] : NULL, *sn = sin ? sin + b * sc[0] + t * sc[1] : NULL;
+        for (int64_t hk = 0; hk < Hkv; hk++) {
+            float *gk = g + ((b * T + t) * 2 * Hkv + hk) * hd, *gv = gk + Hkv * hd;
+            if (gV) memcpy(gv, gV + b * sv[0] + hk * sv[1] + t * sv[2], sizeof(float) * (size_t)hd);
+            else memset(gv, 0, sizeof(float) * (size_t)hd);
+            if (!gK) {
+                memset(gk, 0, sizeof(float) * (size_t)hd);
+                continue;
+            }
+            const float *x = gK + b * sk[0] + hk * sk[1] + t * sk[2];
+            if (!c) {
+                memcpy(gk, x, sizeof(float) * (size_t)hd);
+                continue;
+            }
+            for (int64_t i = 0; i < h; i++) {
+                const float a = x[i] * c[i], r = x[i + h] * sn[i + h];
+                gk[i] = a + r;
+            }
+            for (int64_t i = h; i < hd; i++) {
+                const float a = x[i] * c[i], r = -(x[i - h] * sn[i - h]);
+                gk[i] = a + r;
+            }
+        }
+    }
+    return 0;
+}
