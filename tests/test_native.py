@@ -48,6 +48,7 @@ SHAPES = {
     "mqa_odd_hd": dict(B=3, H=4, Hkv=1, T=9, D=2, hd=12),
     "many_slots": dict(B=1, H=2, Hkv=2, T=70, D=19, hd=32),
     "one_slot_one_token": dict(B=2, H=2, Hkv=2, T=1, D=1, hd=8),
+    "two_chunks_gqa": dict(B=1, H=4, Hkv=2, T=150, D=10, hd=8),  # a 128-token work item and 22 left over
 }
 
 
@@ -890,7 +891,7 @@ def test_slot_grads_refuse_a_wrong_accumulator():
 
 
 SLOT_GRAD_CASES = {  # (B, H, Hkv, T, hd, slots read per consumer): the tile (tokens of all kv heads) in every form
-    "mha_model_layout": (2, 4, 4, 70, 64, (2, 4, 6, 8, 10)),  # 8-token tiles, 32-token chunks, 6 left over
+    "mha_model_layout": (2, 4, 4, 300, 64, (2, 4, 6, 8, 10)),  # 128-token chunks, 44 left over; 25-token tiles
     "gqa_rep3": (1, 6, 2, 45, 8, (3, 7, 1, 9, 9, 4)),  # heads of a kv head summed in order
     "one_token_tiles": (1, 2, 1, 37, 96, (40, 13, 41)),  # nj x hd above the tile: one token per tile
     "mqa_odd_hd": (3, 4, 1, 9, 12, (2, 1, 2)),

@@ -243,6 +243,12 @@ def moda_depth_supported(q, K, V, o, lse, live) -> bool:
             and (live is None or (live.shape == (D,) and live.dtype == torch.uint8 and live.is_contiguous())))
 
 
+def _moda_min_items(T: int, D: int) -> int:
+    """Fewest work items per thread of the MoDA depth kernels: an item is a (b, kv head) and up to 128 tokens, so a
+    training item (T D >= 2048 slot rows) is worth a thread; a decoding step's are not."""
+    return 1 if T * D >= 2048 else 8
+
+
 def moda_depth_forward(q, K, V, o, lse, live, scaling: float) -> None:
     """In place: ``o`` [B, T, H, hd] and ``lse`` [B, H, T] (the sequence attention's; any strides) become the joint
     softmax's over [sequence | the depth slots of K, V [D, B, Hkv, T, hd] (any strides, the last 1)]; ``live`` [D]
@@ -253,7 +259,7 @@ def moda_depth_forward(q, K, V, o, lse, live, scaling: float) -> None:
     sq, sl = _strides(q), _strides(lse)
     args = (_ptr(q), sq, _ptr(K), _strides(K), _ptr(V), _strides(V), _ptr(o), _ptr(lse), sl, _ptr(live), D, B, H,
             Hkv, T, hd, scaling)
-    _parallel(lambda lo, hi: lib.hfd_moda_depth_fwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T))
+    _parallel(lambda lo, hi: lib.hfd_moda_depth_fwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T), _moda_min_items(T, D))
 
 
 def moda_depth_backward(q, dout, dq, K, V, o, lse, live, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +275,7 @@ def moda_depth_backward(q, dout, dq, K, V, o, lse, live, scaling: float) -> tupl
     sq, sd, sg, sl = _strides(q), _strides(dout), _strides(dq), _strides(lse)
     args = (_ptr(q), sq, _ptr(dout), sd, _ptr(dq), sg, _ptr(K), _strides(K), _ptr(V), _strides(V), _ptr(o),
             _ptr(lse), sl, _ptr(live), _ptr(p), _ptr(dd), D, B, H, Hkv, T, hd, scaling)
-    _parallel(lambda lo, hi: lib.hfd_moda_depth_bwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T))
+    _parallel(lambda lo, hi: lib.hfd_moda_depth_bwd(*args, lo, hi), lib.hfd_moda_items(B, Hkv, T), _moda_min_items(T, D))
     return p, dd
 
 
@@ -401,7 +407,7 @@ class SlotGrads:
         args = (n, (ctypes.c_void_p * n)(*self.w), (ctypes.c_int64 * n)(*self.n_slots), (ctypes.c_void_p * n)(*self.x),
                 (ctypes.c_int64 * (4 * n))(*self.strides), _ptr(self.out[lo:hi]), lo, hi, B, H, Hkv, T, hd,
                 int(accumulate))
-        _parallel(lambda a, b: lib.hfd_moda_slot_grads(*args, a, b), lib.hfd_moda_grad_items(B, T), min_items=2)
+        _parallel(lambda a, b: lib.hfd_moda_slot_grads(*args, a, b), lib.hfd_moda_grad_items(B, T), min_items=1)
 
 
 def moda_slot_grads(weights, xs, lo: int, hi: int, kv_heads: int) -> torch.Tensor:

@@ -20,8 +20,9 @@
  * H = Hkv rep (GQA: the rep query heads of one kv head are handled together, so a bank row is read once).
  * Work items are (b, kv head, chunk of TC tokens); a call handles items [item0, item1) (threads split the range).
  * Within an item the slots are the outer loop, SB of them at a time, so each pass streams TC contiguous rows of
- * SB slots; the backward reads V first and K last, so its second pass over K (dq) finds the item's rows in cache. No FMA contraction
- * (-std=c99): each product and sum rounds as in the eager form.
+ * SB slots (runs of 32 KB at TC = 128, hd = 64: long runs are what a DRAM-bound pass needs). The backward reads V
+ * first (dO . V_j), then K once: per SB slots their scores, p and dd, and their dq terms while the rows are in
+ * cache. No FMA contraction (-std=c99): each product and sum rounds as in the eager form.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,7 +32,7 @@
 #include "common.h"
 
 #ifndef TC
-#define TC 32
+#define TC 128
 #endif
 #ifndef SB
 #define SB 8
@@ -70,12 +71,12 @@ static void gather(float *restrict dst, const float *x, const int64_t *s, int64_
         }
 }
 
-/* s[r][ti][j] = scaling x_r,ti . B_j,ti for the item's rows (x: the gathered q or dO; row (j, ti) of the bank at
- * Bk + j sj + ti st); masked slots: -INFINITY */
-static void slot_dots(float *restrict s, const float *xc, const float *Bk, const uint8_t *live, int64_t D,
-                      int64_t sj, int64_t st, int64_t rep, int64_t tn, int64_t hd, float scaling) {
-    for (int64_t j0 = 0; j0 < D; j0 += SB) {
-        const int64_t jn = D - j0 < SB ? D - j0 : SB;
+/* s[r][ti][j] = scaling x_r,ti . B_j,ti for the item's rows and slots j in [ja, jb) (rows of D: x the gathered q or
+ * dO; row (j, ti) of the bank at Bk + j sj + ti st); masked slots: -INFINITY */
+static void slot_dots(float *restrict s, const float *xc, const float *Bk, const uint8_t *live, int64_t D, int64_t ja,
+                      int64_t jb, int64_t sj, int64_t st, int64_t rep, int64_t tn, int64_t hd, float scaling) {
+    for (int64_t j0 = ja; j0 < jb; j0 += SB) {
+        const int64_t jn = jb - j0 < SB ? jb - j0 : SB;
         for (int64_t ti = 0; ti < tn; ti++)
             for (int64_t r = 0; r < rep; r++) {
                 const float *x = xc + (r * TC + ti) * hd;
@@ -87,11 +88,12 @@ static void slot_dots(float *restrict s, const float *xc, const float *Bk, const
     }
 }
 
-/* acc[r][ti] += sum_j w[r][ti][j] B_j,ti  (w: [rep][TC][D]; masked slots carry w = 0); rows as in slot_dots */
-static void slot_mix(float *restrict acc, const float *w, const float *Bv, int64_t D, int64_t sj, int64_t st,
-                     int64_t rep, int64_t tn, int64_t hd) {
-    for (int64_t j0 = 0; j0 < D; j0 += SB) {
-        const int64_t jn = D - j0 < SB ? D - j0 : SB;
+/* acc[r][ti] += sum_j w[r][ti][j] B_j,ti over slots [ja, jb) (w: [rep][TC][D]; masked slots carry w = 0); rows as in
+ * slot_dots */
+static void slot_mix(float *restrict acc, const float *w, const float *Bv, int64_t D, int64_t ja, int64_t jb,
+                     int64_t sj, int64_t st, int64_t rep, int64_t tn, int64_t hd) {
+    for (int64_t j0 = ja; j0 < jb; j0 += SB) {
+        const int64_t jn = jb - j0 < SB ? jb - j0 : SB;
         for (int64_t ti = 0; ti < tn; ti++)
             for (int64_t r = 0; r < rep; r++)
                 axpy_slots(acc + (r * TC + ti) * hd, w + (r * TC + ti) * D + j0, Bv + j0 * sj + ti * st, sj, jn, hd);
@@ -110,7 +112,7 @@ int hfd_moda_depth_fwd(const float *q, const int64_t *sq, const float *K, const 
         const item_t x = item(it, Hkv, T);
         const int64_t rk = x.b * sk[1] + x.hk * sk[2] + x.t0 * sk[3], rv = x.b * sv[1] + x.hk * sv[2] + x.t0 * sv[3];
         gather(qc, q, sq, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
-        slot_dots(s, qc, K + rk, live, D, sk[0], sk[3], rep, x.tn, hd, scaling);
+        slot_dots(s, qc, K + rk, live, D, 0, D, sk[0], sk[3], rep, x.tn, hd, scaling);
         for (int64_t r = 0; r < rep; r++)
             for (int64_t ti = 0; ti < x.tn; ti++) {
                 float *sr = s + (r * TC + ti) * D, *lp = lse + x.b * sl[0] + (x.hk * rep + r) * sl[1] + (x.t0 + ti) * sl[2];
@@ -125,7 +127,7 @@ int hfd_moda_depth_fwd(const float *q, const int64_t *sq, const float *K, const 
                 *lp = tot;
             }
         memset(oc, 0, sizeof(float) * (size_t)(n * hd));
-        slot_mix(oc, s, V + rv, D, sv[0], sv[3], rep, x.tn, hd);
+        slot_mix(oc, s, V + rv, D, 0, D, sv[0], sv[3], rep, x.tn, hd);
         for (int64_t r = 0; r < rep; r++)
             for (int64_t ti = 0; ti < x.tn; ti++)
                 hfd_axpy(o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd, 1.0f, oc + (r * TC + ti) * hd, hd);
@@ -140,33 +142,40 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
                        const int64_t *sl, const uint8_t *live, float *P, float *DD, int64_t D, int64_t B, int64_t H,
                        int64_t Hkv, int64_t T, int64_t hd, float scaling, int64_t item0, int64_t item1) {
     const int64_t rep = H / Hkv, n = rep * TC;
-    float *p = malloc(sizeof(float) * (size_t)(n * (2 * D + 3 * hd)));
+    float *p = malloc(sizeof(float) * (size_t)(n * (2 * D + 3 * hd + 1)));
     if (!p) return 1;
-    float *dd = p + n * D, *qc = dd + n * D, *dc = qc + n * hd, *gq = dc + n * hd;
+    float *dd = p + n * D, *qc = dd + n * D, *dc = qc + n * hd, *gq = dc + n * hd, *rs = gq + n * hd;
     for (int64_t it = item0; it < item1; it++) {
         const item_t x = item(it, Hkv, T);
         const int64_t rk = x.b * sk[1] + x.hk * sk[2] + x.t0 * sk[3], rv = x.b * sv[1] + x.hk * sv[2] + x.t0 * sv[3];
         gather(qc, q, sq, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
         gather(dc, dout, sd, x.b, x.hk * rep, rep, x.t0, x.tn, hd);
-        slot_dots(dd, dc, V + rv, live, D, sv[0], sv[3], rep, x.tn, hd, 1.0f);     /* the V pass: dO . V_j */
-        slot_dots(p, qc, K + rk, live, D, sk[0], sk[3], rep, x.tn, hd, scaling);   /* the K pass: scores */
+        slot_dots(dd, dc, V + rv, live, D, 0, D, sv[0], sv[3], rep, x.tn, hd, 1.0f);  /* the V pass: dO . V_j */
         for (int64_t r = 0; r < rep; r++)
-            for (int64_t ti = 0; ti < x.tn; ti++) {
-                const int64_t h = x.hk * rep + r, k = r * TC + ti;
-                const float tot = lse[x.b * sl[0] + h * sl[1] + (x.t0 + ti) * sl[2]];
-                const float rsum = hfd_dot(dc + k * hd, o + ((x.b * T + x.t0 + ti) * H + h) * hd, hd);
-                float *pr = p + k * D, *dr = dd + k * D;
-                const int64_t out = (x.b * H + h) * T + x.t0 + ti, plane = B * H * T;  /* P, DD: [D, B, H, T] */
-                for (int64_t j = 0; j < D; j++) {
-                    const int on = !live || live[j];
-                    pr[j] = on ? expf(pr[j] - tot) : 0.0f;
-                    dr[j] = on ? pr[j] * (dr[j] - rsum) * scaling : 0.0f;
-                    P[j * plane + out] = pr[j];
-                    DD[j * plane + out] = dr[j];
-                }
-            }
+            for (int64_t ti = 0; ti < x.tn; ti++)
+                rs[r * TC + ti] = hfd_dot(dc + (r * TC + ti) * hd, o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd,
+                                          hd);
         memset(gq, 0, sizeof(float) * (size_t)(n * hd));
-        slot_mix(gq, dd, K + rk, D, sk[0], sk[3], rep, x.tn, hd);  /* dq: K again, cache-resident */
+        /* the K pass, SB slots at a time: scores, p and dd, then dq from the same rows while they are in cache */
+        for (int64_t j0 = 0; j0 < D; j0 += SB) {
+            const int64_t j1 = D - j0 < SB ? D : j0 + SB;
+            slot_dots(p, qc, K + rk, live, D, j0, j1, sk[0], sk[3], rep, x.tn, hd, scaling);
+            for (int64_t r = 0; r < rep; r++)
+                for (int64_t ti = 0; ti < x.tn; ti++) {
+                    const int64_t h = x.hk * rep + r, k = r * TC + ti;
+                    const float tot = lse[x.b * sl[0] + h * sl[1] + (x.t0 + ti) * sl[2]], rsum = rs[k];
+                    float *pr = p + k * D, *dr = dd + k * D;
+                    const int64_t out = (x.b * H + h) * T + x.t0 + ti, plane = B * H * T;  /* P, DD: [D, B, H, T] */
+                    for (int64_t j = j0; j < j1; j++) {
+                        const int on = !live || live[j];
+                        pr[j] = on ? expf(pr[j] - tot) : 0.0f;
+                        dr[j] = on ? pr[j] * (dr[j] - rsum) * scaling : 0.0f;
+                        P[j * plane + out] = pr[j];
+                        DD[j * plane + out] = dr[j];
+                    }
+                }
+            slot_mix(gq, dd, K + rk, D, j0, j1, sk[0], sk[3], rep, x.tn, hd);  /* dq */
+        }
         for (int64_t r = 0; r < rep; r++)
             for (int64_t ti = 0; ti < x.tn; ti++) {
                 float *dst = dq + x.b * sg[0] + (x.hk * rep + r) * sg[1] + (x.t0 + ti) * sg[2];
@@ -184,15 +193,17 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
  * strides xs[4 i .. 4 i + 3]; G [j1 - j0, B, Hkv, T, hd] contiguous, written once (or, with ``accumulate``, the
  * consumers' sum added to it: AttnRes' grouped bank gradients, native.SlotGrads with an accumulator). Work items are
  * (b, chunk of GT tokens), cut into tiles of tt tokens x every kv head, whose output rows fit an ACC-float accumulator
- * (L1-resident; one token where a token's rows alone exceed it). Per tile and slot the consumers are taken four at a
- * time, each four read over the tile's tokens and heads in memory order (the attention's q and dO are [B, T, H, hd]
- * in memory: a token's heads are adjacent), so few streams are in flight; each row's terms are still added in
- * (head, consumer) order, four per pass over the row (hfd_axpy4), and each row is stored once. */
+ * (256 KB, L2-resident: a tile reads each consumer's rows as one run of up to 128 tokens, 128 KB at 4 kv heads of
+ * 64, where 8-token tiles resumed ~30 runs of 8 KB each; one token where a token's rows alone exceed it). Per tile and
+ * slot the consumers are taken four at a time, each four read over the tile's tokens and heads in memory order (the
+ * attention's q and dO are [B, T, H, hd] in memory: a token's heads are adjacent), so few streams are in flight;
+ * each row's terms are still added in (head, consumer) order, four per pass over the row (hfd_axpy4), and each row
+ * is stored once. */
 #ifndef GT
-#define GT 32
+#define GT 128
 #endif
 #ifndef ACC
-#define ACC 4096
+#define ACC 65536
 #endif
 
 int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn, const float *const *X,
