@@ -48,15 +48,15 @@ def moda_read(self, state, norm):
     return x, x
 
 
+_MODA_WRITE = design_moda.MoDAConnection.write  # the attention's write and a last FFN's are unchanged
+
+
 def moda_write(self, state, out, carry):  # the FFN's key unrotated: the next attention rotates it (``moda_attend``)
-    h = state[0] + out
-    if self.is_attention:
-        return (h, *carry.depth, *carry.own)
-    proj = self.layer.kv_proj
-    if proj is None:
-        return (h, *state[1:])
-    k, v = proj(carry).view(*carry.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
-    return (h, *state[1:], k, v)
+    if self.is_attention or self.layer.kv_proj is None:
+        return _MODA_WRITE(self, state, out, carry)
+    kv = self.layer.kv_proj(carry)
+    k, v = kv.view(*carry.shape[:-1], 2, self.num_kv_heads, self.head_dim).transpose(1, 3).unbind(2)
+    return (state[0] + out, *state[1:], k, v)
 
 
 def multistream_read(self, state, norm):

@@ -14,7 +14,8 @@ A design decides what varies between designs, and nothing else in the decoder ch
 
   ``carry`` is whatever ``write`` needs from ``read`` (HC's mixed streams and write weights, MoDA's depth
   K/V); nothing is kept on the module between the two calls. ``write_then_read`` chains the attention's write
-  and the FFN's read; for the Pre-LN pair it is the fused residual add + RMSNorm (``dispatch.add_rms_norm``).
+  and the FFN's read; for the Pre-LN pair it is the fused residual add + RMSNorm (``dispatch.add_rms_norm``), and
+  MoDA's hands the FFN's carry the positions the attention saw (its depth key is rotated when written).
 * ``Design``: the single record of everything that varies by design (classes, norms, init, exact extra
   parameters and FLOPs, parameter roles, default learning rates, OLMo-core name rules), declared in the
   design's own ``design_<name>.py`` and registered with :func:`register`.
