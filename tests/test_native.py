@@ -81,7 +81,7 @@ def test_native_equals_eager_and_reference(shape, masked, banks, monkeypatch):
 
 def test_threads_split_the_work_without_changing_a_bit():
     """Work items are independent (each writes its own rows), so the result is the same for any thread count."""
-    inputs = _inputs(B=2, H=4, Hkv=2, T=130, D=6, hd=16)
+    inputs = _inputs(B=2, H=4, Hkv=2, T=130, D=16, hd=16)  # T D >= 2048: training items, split over threads
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

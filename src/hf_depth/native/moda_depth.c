@@ -283,16 +283,16 @@ int64_t hfd_moda_items(int64_t B, int64_t Hkv, int64_t T) { return B * Hkv * ((T
 int64_t hfd_moda_grad_items(int64_t B, int64_t T) { return B * ((T + GT - 1) / GT); }
 
 /* An FFN sublayer's depth K/V from its ``kv_proj`` output kv [B, T, 2, Hkv, hd] (strides s, the last 1; rows [k | v]):
- * K, V [B, Hkv, T, hd] contiguous, K rotated at the token's own position where cos != NULL (cos, sin [B, T, hd],
- * strides sc, the last 1; a batch stride of 0 broadcasts), with ``rotate``'s ops and rounding:
+ * K, V [B, Hkv, T, hd] contiguous, K rotated at the token's own position where rc != NULL (rc, rs: the cos and sin
+ * tables [B, T, hd], strides sc, the last 1; a batch stride of 0 broadcasts), with ``rotate``'s ops and rounding:
  *   K_i = k_i c_i + (-k_{i+h}) s_i  (i < h),   k_i c_i + k_{i-h} s_i  (i >= h),   h = hd / 2
  * (rotate_half(k) = [-k2, k1]; each product and the sum rounded, no contraction). Work items are tokens. */
-int hfd_moda_kv_write(const float *kv, const int64_t *s, const float *cos, const float *sin, const int64_t *sc,
+int hfd_moda_kv_write(const float *kv, const int64_t *s, const float *rc, const float *rs, const int64_t *sc,
                       float *K, float *V, int64_t T, int64_t Hkv, int64_t hd, int64_t item0, int64_t item1) {
     const int64_t h = hd / 2;
     for (int64_t it = item0; it < item1; it++) {
         const int64_t b = it / T, t = it % T;
-        const float *c = cos ? cos + b * sc[0] + t * sc[1] : NULL, *sn = sin ? sin + b * sc[0] + t * sc[1] : NULL;
+        const float *c = rc ? rc + b * sc[0] + t * sc[1] : NULL, *sn = rs ? rs + b * sc[0] + t * sc[1] : NULL;
         for (int64_t hk = 0; hk < Hkv; hk++) {
             const float *k = kv + b * s[0] + t * s[1] + hk * s[3], *v = k + s[2];
             float *ko = K + ((b * Hkv + hk) * T + t) * hd, *vo = V + ((b * Hkv + hk) * T + t) * hd;
@@ -317,13 +317,13 @@ int hfd_moda_kv_write(const float *kv, const int64_t *s, const float *cos, const
 /* Its backward: g [B, T, 2, Hkv, hd] contiguous from gK, gV [B, Hkv, T, hd] (strides sk, sv, the last 1; NULL: zero),
  * the gradient autograd gives ``rotate``'s ops (the product's, plus rotate_half's moved and negated part):
  *   gk_i = gK_i c_i + gK_{i+h} s_{i+h}  (i < h),   gK_i c_i + (-(gK_{i-h} s_{i-h}))  (i >= h) */
-int hfd_moda_kv_grad(const float *gK, const int64_t *sk, const float *gV, const int64_t *sv, const float *cos,
-                     const float *sin, const int64_t *sc, float *g, int64_t T, int64_t Hkv, int64_t hd, int64_t item0,
+int hfd_moda_kv_grad(const float *gK, const int64_t *sk, const float *gV, const int64_t *sv, const float *rc,
+                     const float *rs, const int64_t *sc, float *g, int64_t T, int64_t Hkv, int64_t hd, int64_t item0,
                      int64_t item1) {
     const int64_t h = hd / 2;
     for (int64_t it = item0; it < item1; it++) {
         const int64_t b = it / T, t = it % T;
-        const float *c = cos ? cos + b * sc[0] + t * sc[1] : NULL, *sn = sin ? sin + b * sc[0] + t * sc[1] : NULL;
+        const float *c = rc ? rc + b * sc[0] + t * sc[1] : NULL, *sn = rs ? rs + b * sc[0] + t * sc[1] : NULL;
         for (int64_t hk = 0; hk < Hkv; hk++) {
             float *gk = g + ((b * T + t) * 2 * Hkv + hk) * hd, *gv = gk + Hkv * hd;
             if (gV) memcpy(gv, gV + b * sv[0] + hk * sv[1] + t * sv[2], sizeof(float) * (size_t)hd);
