@@ -10,6 +10,13 @@ For L in ``--layers`` (default 8 16 32 64) at a fixed width:
 3. greedy generation time / Pre-LN (KV cache, ``--new-tokens`` tokens after a ``--seq // 2`` prompt) at
    L in ``--gen-layers`` (default 32).
 
+``--marginal-seq T2`` also times every design at a second, shorter sequence length T2 and splits each design's time
+into a fixed part per step and a part per token (the line through the two medians, ``marginal``): the marginal
+ratio (its time per token / Pre-LN's) is what the ratio tends to as the sequence grows, before the sequence
+attention's T^2 (the same in every design) dilutes it further; the fixed part (Python, dispatch, kernel calls, the
+allocator) is what a small shape adds on top. Choose T2 so that every design runs the same code at both lengths (on
+CPU, HC / mHC take their one-pass native kernels from 2^16 stream elements per sublayer: B T2 n d >= 65536).
+
 ``--compile`` times forward+backward of every model, Pre-LN included, under ``torch.compile`` (``--compile-backend``,
 default inductor: generated fused C++ kernels on CPU); the first call of each, which compiles, is the warm-up
 (minutes per model at L = 32 on CPU). The issue-12 time targets are eager targets: a compiled run prints its
@@ -27,6 +34,7 @@ analytic FLOP floor of each design's time (1 + its extra FLOPs / Pre-LN's, ``dia
     python benchmarks/bench_depth_cost.py --designs pre_ln attnres --layers 8 64 --time-layers 32
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py --generate --gen-hidden 64 --gen-layers 32
     OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py --designs moda hc --skip-memory --gen-layers --compile
+    OMP_NUM_THREADS=1 python benchmarks/bench_depth_cost.py --designs mhc moda --skip-memory --gen-layers --marginal-seq 32
 """
 
 from __future__ import annotations
@@ -134,6 +142,14 @@ def flop_floor(name, d, L, heads, vocab, T) -> float:
     return 1.0 + (f["extra_matmul"] + f["extra_other"]) / base
 
 
+def marginal(t: float, t2: float, base: float, base2: float, T: int, T2: int) -> tuple[float, float]:
+    """(marginal ratio, extra fixed seconds per step) of a design timed t at T tokens and t2 at T2 < T tokens per
+    sequence, against Pre-LN's base and base2: each time read as a + b T (the line through its two points); the
+    ratio is b / b_base, the extra fixed part a - a_base."""
+    slope, base_slope = (t - t2) / (T - T2), (base - base2) / (T - T2)
+    return slope / base_slope, (t - slope * T) - (base - base_slope * T)
+
+
 def fwd_bwd(model, x, backend: str | None = None):
     """One training step of ``model`` (``backend``: under ``torch.compile`` with that backend; the parameters
     and their gradients stay the model's own)."""
@@ -210,6 +226,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--marginal-seq", type=int, default=None,
+                   help="also time every design at this shorter sequence length and print each one's marginal ratio "
+                        "(time per token / Pre-LN's) and extra fixed time per step (see marginal)")
     p.add_argument("--round-robin", action="store_true",
                    help="time every design in each round (the earlier schedule; see paired_ratios) instead of one "
                         "design at a time")
@@ -226,6 +245,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.rounds < 1:  # before any model is built: paired_ratios takes the quartiles of at least one ratio
         p.error(f"--rounds: must be at least 1 (paired ratios per design), got {a.rounds}")
+    if a.marginal_seq is not None and not 1 <= a.marginal_seq < a.seq:
+        p.error(f"--marginal-seq: must be between 1 and --seq - 1 = {a.seq - 1} (a second, shorter sequence length), "
+                f"got {a.marginal_seq}")
     if a.compile:  # before any model is built or measured: a wrong name costs nothing
         try:
             torch._dynamo.lookup_backend(a.compile_backend)
@@ -270,6 +292,17 @@ def main(argv=None):
         for n in designs:
             cells[(n, f"faults/step L={L}")] = "" if faults[n] is None else str(faults[n])
         cells[("pre_ln", f"L={L}")] = f"1.00 ({base_t * 1e3:.0f} ms)"
+        if a.marginal_seq is not None:
+            x2 = x[:, : a.marginal_seq].contiguous()
+            r2, base2, _ = paired_ratios({n: fwd_bwd(m, x2, backend) for n, m in models.items()}, "pre_ln", device,
+                                         a.rounds, a.round_robin)
+            cols += [f"marginal L={L}", f"fixed L={L}"]
+            for n in designs[1:]:
+                ratio, fixed = marginal(r[n][1] * base_t, r2[n][1] * base2, base_t, base2, a.seq, a.marginal_seq)
+                cells[(n, f"marginal L={L}")] = f"{ratio:.2f}"
+                cells[(n, f"fixed L={L}")] = f"{fixed * 1e3:+.0f} ms"
+            base_fixed = base_t - (base_t - base2) / (a.seq - a.marginal_seq) * a.seq
+            cells[("pre_ln", f"marginal L={L}")], cells[("pre_ln", f"fixed L={L}")] = "1.00", f"{base_fixed * 1e3:.0f} ms"
         if device.type == "cuda":
             peaks = {n: peak_bytes(step, device) for n, step in steps.items()}
             cols.append(f"peak L={L}")
@@ -280,7 +313,9 @@ def main(argv=None):
         regime = f"torch.compile backend={a.compile_backend}; " if a.compile else ""
         print(table(f"forward+backward time / Pre-LN ({regime}d={a.hidden}, T={a.seq}, B={a.batch}; median and "
                     f"interquartile range of {a.rounds} paired ratios, {schedule_name(a.round_robin)}; faults: minor "
-                    "page faults of one step)", designs, cols, cells))
+                    "page faults of one step" + (f"; marginal: time per token / Pre-LN's and fixed: extra time per "
+                                                 f"step, from a second run at T={a.marginal_seq}"
+                                                 if a.marginal_seq is not None else "") + ")", designs, cols, cells))
     print(targets(designs, a.layers, mem, {} if a.compile else times))
     if a.compile:
         print("(the issue-12 time targets are eager targets: not checked under --compile)\n")

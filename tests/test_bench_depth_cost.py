@@ -73,3 +73,29 @@ def test_rounds_below_one_is_refused_before_any_model(bench, capsys, rounds):
         bench.main(["--rounds", rounds])
     err = capsys.readouterr().err
     assert f"--rounds: must be at least 1 (paired ratios per design), got {rounds}" in err
+
+
+def test_marginal_splits_each_time_into_a_fixed_part_and_a_part_per_token(bench):
+    # Pre-LN 100 ms + 2 ms per token, the design 130 ms + 2.5 ms per token: the two points give back both lines
+    base, design = (lambda T: 0.100 + 0.002 * T), (lambda T: 0.130 + 0.0025 * T)
+    ratio, fixed = bench.marginal(design(128), design(32), base(128), base(32), 128, 32)
+    assert ratio == pytest.approx(1.25) and fixed == pytest.approx(0.030)
+    assert bench.marginal(base(128), base(32), base(128), base(32), 128, 32) == (pytest.approx(1.0), pytest.approx(0.0))
+
+
+def test_marginal_columns_come_from_a_second_shorter_run(bench, capsys):
+    bench.main(["--designs", "pre_ln", "hc", "--skip-memory", "--time-layers", "2", "--hidden", "32", "--seq", "8",
+                "--vocab", "64", "--rounds", "1", "--gen-layers", "--marginal-seq", "4"])
+    out = capsys.readouterr().out
+    assert "| design | L=2 | IQR L=2 | FLOP floor L=2 | faults/step L=2 | marginal L=2 | fixed L=2 |" in out
+    assert "from a second run at T=4)" in out
+    row = next(line for line in out.splitlines() if line.startswith("| hc |"))
+    assert row.split("|")[-2].strip().endswith(" ms")
+
+
+@pytest.mark.parametrize("seq", ["0", "8", "9"])
+def test_marginal_seq_outside_one_to_seq_is_refused(bench, capsys, seq):
+    with pytest.raises(SystemExit):
+        bench.main(["--seq", "8", "--marginal-seq", seq])
+    assert f"--marginal-seq: must be between 1 and --seq - 1 = 7 (a second, shorter sequence length), got {seq}" in (
+        capsys.readouterr().err)
