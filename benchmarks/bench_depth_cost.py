@@ -40,6 +40,7 @@ analytic FLOP floor of each design's time (1 + its extra FLOPs / Pre-LN's, ``dia
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -82,6 +83,20 @@ def minor_faults() -> int | None:
     """This process's minor page faults so far (memory the OS hands out fresh: first touches after the heap grew),
     or None where ``resource`` is not available."""
     return None if resource is None else resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+#: environment variables that change the C allocator's behaviour (and so the page faults and the times): printed
+ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                 "MALLOC_TOP_PAD_")
+
+
+def allocator_env(env=None) -> str:
+    """The allocator settings of this process (``ALLOCATOR_ENV``, as set), for the run's first line: the faults
+    column depends on them (with glibc's defaults HC and mHC took 1.5-2k minor faults per step where its heap is
+    trimmed and grown again; with trimming and mmap off, a few; docs/depth_cost.md, stop 46)."""
+    env = os.environ if env is None else env
+    got = [f"{k}={env[k]}" for k in ALLOCATOR_ENV if env.get(k)]
+    return " ".join(got) if got else "default"
 
 
 def quartiles(xs) -> tuple[float, float, float]:
@@ -256,7 +271,7 @@ def main(argv=None):
                     f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     designs = ["pre_ln"] + [d for d in a.designs if d != "pre_ln"]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"device={device} threads={torch.get_num_threads()} designs={len(designs)}\n")
+    print(f"device={device} threads={torch.get_num_threads()} designs={len(designs)} allocator={allocator_env()}\n")
     if a.generate:
         print(generation_table(designs, a, device))
         return

@@ -99,3 +99,9 @@ def test_marginal_seq_outside_one_to_seq_is_refused(bench, capsys, seq):
         bench.main(["--seq", "8", "--marginal-seq", seq])
     assert f"--marginal-seq: must be between 1 and --seq - 1 = 7 (a second, shorter sequence length), got {seq}" in (
         capsys.readouterr().err)
+
+
+def test_the_first_line_names_the_allocator_settings(bench):
+    assert bench.allocator_env({}) == "default"
+    env = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "PATH": "/bin", "LD_PRELOAD": ""}
+    assert bench.allocator_env(env) == "GLIBC_TUNABLES=glibc.malloc.trim_threshold=1"
