@@ -92,7 +92,7 @@ ALLOCATOR_ENV = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "MALLOC_TRI
 
 def allocator_env(env=None) -> str:
     """The allocator settings of this process (``ALLOCATOR_ENV``, as set), for the run's first line: the faults
-    column depends on them (with glibc's defaults HC and mHC took 1.5-2k minor faults per step where its heap is
+    column depends on them (with glibc's defaults HC and mHC took 1-3k minor faults per step where its heap is
     trimmed and grown again; with trimming and mmap off, a few; docs/depth_cost.md, stop 46)."""
     env = os.environ if env is None else env
     got = [f"{k}={env[k]}" for k in ALLOCATOR_ENV if env.get(k)]
@@ -157,12 +157,18 @@ def flop_floor(name, d, L, heads, vocab, T) -> float:
     return 1.0 + (f["extra_matmul"] + f["extra_other"]) / base
 
 
+def line(t: float, t2: float, T: int, T2: int) -> tuple[float, float]:
+    """(a, b) of the line a + b T through a step time t at T tokens per sequence and t2 at T2: the fixed part per
+    step and the part per token."""
+    b = (t - t2) / (T - T2)
+    return t - b * T, b
+
+
 def marginal(t: float, t2: float, base: float, base2: float, T: int, T2: int) -> tuple[float, float]:
     """(marginal ratio, extra fixed seconds per step) of a design timed t at T tokens and t2 at T2 < T tokens per
-    sequence, against Pre-LN's base and base2: each time read as a + b T (the line through its two points); the
-    ratio is b / b_base, the extra fixed part a - a_base."""
-    slope, base_slope = (t - t2) / (T - T2), (base - base2) / (T - T2)
-    return slope / base_slope, (t - slope * T) - (base - base_slope * T)
+    sequence, against Pre-LN's base and base2 (each time read as a + b T, ``line``): b / b_base and a - a_base."""
+    (a, b), (a0, b0) = line(t, t2, T, T2), line(base, base2, T, T2)
+    return b / b0, a - a0
 
 
 def fwd_bwd(model, x, backend: str | None = None):
@@ -316,7 +322,7 @@ def main(argv=None):
                 ratio, fixed = marginal(r[n][1] * base_t, r2[n][1] * base2, base_t, base2, a.seq, a.marginal_seq)
                 cells[(n, f"marginal L={L}")] = f"{ratio:.2f}"
                 cells[(n, f"fixed L={L}")] = f"{fixed * 1e3:+.0f} ms"
-            base_fixed = base_t - (base_t - base2) / (a.seq - a.marginal_seq) * a.seq
+            base_fixed = line(base_t, base2, a.seq, a.marginal_seq)[0]
             cells[("pre_ln", f"marginal L={L}")], cells[("pre_ln", f"fixed L={L}")] = "1.00", f"{base_fixed * 1e3:.0f} ms"
         if device.type == "cuda":
             peaks = {n: peak_bytes(step, device) for n, step in steps.items()}

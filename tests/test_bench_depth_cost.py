@@ -81,6 +81,7 @@ def test_marginal_splits_each_time_into_a_fixed_part_and_a_part_per_token(bench)
     ratio, fixed = bench.marginal(design(128), design(32), base(128), base(32), 128, 32)
     assert ratio == pytest.approx(1.25) and fixed == pytest.approx(0.030)
     assert bench.marginal(base(128), base(32), base(128), base(32), 128, 32) == (pytest.approx(1.0), pytest.approx(0.0))
+    assert bench.line(base(128), base(32), 128, 32) == (pytest.approx(0.100), pytest.approx(0.002))
 
 
 def test_marginal_columns_come_from_a_second_shorter_run(bench, capsys):
