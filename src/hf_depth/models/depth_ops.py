@@ -931,7 +931,7 @@ class _FFNDepthKV(torch.autograd.Function):
     def forward(ctx, kv, cos, sin, kv_heads):
         ctx.save_for_backward(cos, sin)  # the position tables the attention keeps anyway: no new memory
         ctx.kv_heads, ctx.shape = kv_heads, kv.shape
-        return native.moda_kv_write(kv, kv_heads, cos, sin)
+        return native.moda_kv_write(kv, kv_heads, cos, sin, checked=True)  # moda_ffn_depth_kv asked
 
     @staticmethod
     def backward(ctx, dk, dv):

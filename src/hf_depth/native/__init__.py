@@ -303,11 +303,12 @@ def moda_kv_supported(kv: torch.Tensor, kv_heads: int, cos=None, sin=None) -> bo
             and _positions(cos, sin, B, T, hd) is not False)
 
 
-def moda_kv_write(kv: torch.Tensor, kv_heads: int, cos=None, sin=None):
+def moda_kv_write(kv: torch.Tensor, kv_heads: int, cos=None, sin=None, checked: bool = False):
     """(K, V) [B, Hkv, T, hd] contiguous from an FFN's ``kv_proj`` output ``kv`` [B, T, 2 Hkv hd] (rows [k | v]), K
     rotated by RoPE at the token's position where ``cos``, ``sin`` [B or 1, T, hd] are given (``rotate``'s values,
-    bit for bit), in one pass; None where the kernel declines the tensors (``moda_kv_supported``)."""
-    if not moda_kv_supported(kv, kv_heads, cos, sin):
+    bit for bit), in one pass; None where the kernel declines the tensors (``moda_kv_supported``; ``checked``: the
+    caller has asked it already)."""
+    if not (checked or moda_kv_supported(kv, kv_heads, cos, sin)):
         return None
     lib = library()
     B, T, width = kv.shape
