@@ -52,6 +52,46 @@ def test_equals_reference_implementation(design, layers):
         assert_equal_fp32(grads[name], ref_grads[name], name)
 
 
+#: the native kernels each cross-layer design's training step runs on CPU at a training shape
+NATIVE_OPS = {"hc": ("hc_route", "hc_rebuild", "hc_route_backward"),
+              "mhc": ("mhc_route", "stream_mix_write", "mhc_route_backward"),
+              "attnres": ("agg_forward", "agg_backward"), "block_attnres": ("agg_forward", "agg_backward"),
+              "moda": ("moda_depth_forward", "moda_depth_backward", "moda_kv_write", "moda_kv_grad")}
+
+
+@pytest.mark.parametrize("layers,kv_heads", [(5, 1), (9, 2)])
+@pytest.mark.parametrize("design", sorted(NATIVE_OPS))
+def test_native_kernels_equal_reference_at_a_training_shape(design, layers, kv_heads, monkeypatch):
+    """The tiny models above stay below the sizes where the native kernels take over (HC / mHC's streams from
+    ``functional._ONE_PASS_MIN`` elements). Here, at odd depths, with MQA / GQA, left padding and a sequence that is
+    no multiple of the kernels' token chunks, every native op of the design runs (counted) and the logits and every
+    gradient still equal the pre-issue reference at fp32 rounding."""
+    from hf_depth import native
+
+    if not native.status()["available"]:
+        pytest.skip(f"native kernels unavailable: {native.status()['why']}")
+    B, n, d = 2, 4, 64
+    T = functional._ONE_PASS_MIN // (B * n * d) + 3  # HC / mHC streams just above the one-pass size
+    model = _perturb(hf_depth.model_for(design, vocab_size=97, hidden_size=d, intermediate_size=176,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads, num_hidden_layers=layers,
+                                        max_position_embeddings=2 * T)).train()
+    x = torch.randint(2, 97, (B, T), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(x)
+    mask[0, :5] = 0
+    calls = []
+    for op in NATIVE_OPS[design]:
+        real = getattr(native, op)
+        monkeypatch.setattr(native, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
+    logits, grads = _logits_and_grads(model, x, mask)
+    assert set(calls) == set(NATIVE_OPS[design]), sorted(set(calls))
+    with reference_paths():
+        ref_logits, ref_grads = _logits_and_grads(model, x, mask)
+    assert_equal_fp32(logits, ref_logits)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_equal_fp32(grads[name], ref_grads[name], name)
+
+
 @pytest.mark.parametrize("design", sorted(hf_depth.DESIGNS))
 def test_a_step_leaves_no_cyclic_garbage(design):
     """What one training step builds (source banks, two-phase logits, stream segments) is freed by reference
