@@ -344,8 +344,11 @@ class SlotGrads:
     tokens as T (AttnRes) -- and a slot's first reader asks ``grads(lo, hi)``: sum_i sum_(heads of a kv head)
     weights_i[j] x_i for slots [lo, hi) (no per-consumer read and write of the whole gradient bank).
 
-    Without ``into``, every record is kept until its slots are asked for, and each slot is written once into a view
-    of one [capacity, B, Hkv, T, hd] fp32 buffer (MoDA: its consumers' q is saved for backward anyway). With ``into``
+    Without ``into``, every record is kept until its slots are asked for, and each ask's slots are written once into a
+    fresh [hi - lo, B, Hkv, T, hd] fp32 buffer (MoDA: its consumers' q is saved for backward anyway; one buffer of the
+    bank's size, written slot by slot over the backward, took a fresh 16 MB at L = 32, d = 256, T = 128, B = 2: up
+    to ~4k page faults per bank and step, and every row written into a cold line; a pair's 512 KB comes back from
+    the allocator still in cache). With ``into``
     (the bank's gradient accumulator, [capacity, B, Hkv, T, hd] fp32 contiguous, where eager consumers add in place),
     at most ``group`` records are pending: the group is then added into the accumulator in one pass (each slot row
     read and written once per group, not once per consumer), and ``grads`` adds the pending records' part of slots
@@ -360,7 +363,6 @@ class SlotGrads:
             raise ValueError(f"SlotGrads: into must be a contiguous fp32 {list(self.shape)} accumulator and "
                              f"group >= 1, got {list(into.shape)} {into.dtype} and group {group}")
         self.into, self.group = into, group
-        self.out = into
         self.limit = self.shape[0]  # slots [limit, capacity) are handed on: never added to again
         self._clear()
 
@@ -380,33 +382,35 @@ class SlotGrads:
         self.n_slots.append(w.shape[0])
         self.strides.extend(x.stride())
         if self.into is not None and len(self.keep) >= self.group:
-            self._sum(0, min(self.limit, max(self.n_slots)), accumulate=True)
+            top = min(self.limit, max(self.n_slots))
+            self._sum(self.into[:top], 0, top, accumulate=True)
             self._clear()
 
     def grads(self, lo: int, hi: int) -> torch.Tensor:
-        """[hi - lo, B, Hkv, T, hd] fp32, a view of the buffer (zeros for a slot no consumer read)."""
-        if self.out is None:
-            self.out = torch.empty(self.shape, dtype=torch.float32)
-        G = self.out[lo:hi]
+        """[hi - lo, B, Hkv, T, hd] fp32 (zeros for a slot no consumer read): a view of ``into``, else a fresh buffer."""
         if self.into is not None:
-            self._sum(lo, hi, accumulate=True)
+            G = self.into[lo:hi]
+            self._sum(G, lo, hi, accumulate=True)
             self.limit = min(self.limit, lo)
-        elif hi > lo:
+            return G
+        G = torch.empty((max(hi - lo, 0), *self.shape[1:]), dtype=torch.float32)
+        if hi > lo:
             if self.keep:
-                self._sum(lo, hi, accumulate=False)
+                self._sum(G, lo, hi, accumulate=False)
             else:
                 G.zero_()
         return G
 
-    def _sum(self, lo: int, hi: int, accumulate: bool) -> None:
-        """Rows [lo, hi) of the buffer := (or, ``accumulate``, +=) the kept records' sums (``hfd_moda_slot_grads``)."""
+    def _sum(self, G: torch.Tensor, lo: int, hi: int, accumulate: bool) -> None:
+        """``G`` (slots [lo, hi): ``into``'s rows or a fresh buffer) := (or, ``accumulate``, +=) the kept records' sums
+        (``hfd_moda_slot_grads``)."""
         if hi <= lo or not self.keep:
             return
         _, B, Hkv, T, hd = self.shape
         lib, n = library(), len(self.w)
         H = self.keep[0][1].shape[1]
         args = (n, (ctypes.c_void_p * n)(*self.w), (ctypes.c_int64 * n)(*self.n_slots), (ctypes.c_void_p * n)(*self.x),
-                (ctypes.c_int64 * (4 * n))(*self.strides), _ptr(self.out[lo:hi]), lo, hi, B, H, Hkv, T, hd,
+                (ctypes.c_int64 * (4 * n))(*self.strides), _ptr(G), lo, hi, B, H, Hkv, T, hd,
                 int(accumulate))
         _parallel(lambda a, b: lib.hfd_moda_slot_grads(*args, a, b), lib.hfd_moda_grad_items(B, T), min_items=1)
 
