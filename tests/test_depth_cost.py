@@ -36,6 +36,16 @@ def _logits_and_grads(model, x, mask):
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_equals_reference(model, x, mask, logits, grads):
+    """``logits`` and ``grads`` (this implementation's, on ``x``) equal the pre-issue reference's at fp32 rounding."""
+    with reference_paths():
+        ref_logits, ref_grads = _logits_and_grads(model, x, mask)
+    assert_equal_fp32(logits, ref_logits, "logits")
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_equal_fp32(grads[name], ref_grads[name], name)
+
+
 @pytest.mark.parametrize("layers", [1, 2, 7, 16])
 @pytest.mark.parametrize("design", sorted(hf_depth.DESIGNS))
 def test_equals_reference_implementation(design, layers):
@@ -43,13 +53,7 @@ def test_equals_reference_implementation(design, layers):
     x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(x)
     mask[0, :2] = 0
-    logits, grads = _logits_and_grads(model, x, mask)
-    with reference_paths():
-        ref_logits, ref_grads = _logits_and_grads(model, x, mask)
-    assert_equal_fp32(logits, ref_logits)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert_equal_fp32(grads[name], ref_grads[name], name)
+    assert_equals_reference(model, x, mask, *_logits_and_grads(model, x, mask))
 
 
 #: the native kernels each cross-layer design's training step runs on CPU at a training shape
@@ -84,12 +88,7 @@ def test_native_kernels_equal_reference_at_a_training_shape(design, layers, kv_h
         monkeypatch.setattr(native, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
     logits, grads = _logits_and_grads(model, x, mask)
     assert set(calls) == set(NATIVE_OPS[design]), sorted(set(calls))
-    with reference_paths():
-        ref_logits, ref_grads = _logits_and_grads(model, x, mask)
-    assert_equal_fp32(logits, ref_logits)
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert_equal_fp32(grads[name], ref_grads[name], name)
+    assert_equals_reference(model, x, mask, logits, grads)
 
 
 @pytest.mark.parametrize("design", sorted(hf_depth.DESIGNS))
@@ -247,14 +246,8 @@ def test_stream_routing_variants_equal_reference(design, kw):
     """HC / mHC's hand-written routing backward (``routing_backward``) for every variant of the routing."""
     model = _perturb(tiny_model(design, num_hidden_layers=7, **kw)).train()
     x = torch.randint(2, 97, (2, 7), generator=torch.Generator().manual_seed(3))
-    logits, grads = _logits_and_grads(model, x, None)
-    with reference_paths():
-        ref_logits, ref_grads = _logits_and_grads(model, x, None)
     # the forward is the reference's to fp32 rounding (HC's one projection of the raw streams, mHC's float64 Sinkhorn)
-    assert_equal_fp32(logits, ref_logits, "logits")
-    assert grads.keys() == ref_grads.keys()
-    for name in grads:
-        assert_equal_fp32(grads[name], ref_grads[name], name)
+    assert_equals_reference(model, x, None, *_logits_and_grads(model, x, None))
 
 
 @pytest.mark.parametrize("design,kw", [
