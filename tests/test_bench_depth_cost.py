@@ -111,13 +111,13 @@ def test_the_first_line_names_the_allocator_settings(bench):
 def test_a_time_target_inside_the_spread_says_so(bench):
     """A timed target inside the IQR of its paired ratios is marked as decided by this run's median only; outside it,
     and for the (deterministic) memory targets, the verdict is plain."""
-    times = {("mhc", 32): (1.24, 1.26, 1.27), ("hc", 32): (1.15, 1.19, 1.20), ("moda", 32): (1.35, 1.38, 1.40),
+    times = {("mhc", 32): (1.24, 1.2512, 1.27), ("hc", 32): (1.15, 1.19, 1.20), ("moda", 32): (1.35, 1.38, 1.40),
              ("block_attnres", 32): (1.12, 1.14, 1.15)}
     out = bench.targets(["pre_ln", "mhc", "hc", "moda", "block_attnres"], [8], {}, times)
-    assert "| mhc | time L=32 <= 1.25 | 1.26 (IQR 1.24-1.27) | FAIL, within the IQR |" in out
-    assert "| hc | time L=32 <= 1.25 | 1.19 (IQR 1.15-1.20) | PASS |" in out
-    assert "| moda | time L=32 <= 1.30 | 1.38 (IQR 1.35-1.40) | FAIL |" in out
-    assert "| block_attnres | time L=32 <= 1.15 | 1.14 (IQR 1.12-1.15) | PASS, within the IQR |" in out
+    assert "| mhc | time L=32 <= 1.25 | 1.251 (IQR 1.24-1.27) | FAIL, within the IQR |" in out
+    assert "| hc | time L=32 <= 1.25 | 1.190 (IQR 1.15-1.20) | PASS |" in out
+    assert "| moda | time L=32 <= 1.30 | 1.380 (IQR 1.35-1.40) | FAIL |" in out
+    assert "| block_attnres | time L=32 <= 1.15 | 1.140 (IQR 1.12-1.15) | PASS, within the IQR |" in out
     mem = {(n, L): r for n, r in (("pre_ln", 1.0), ("hc", 1.22)) for L in (8, 64)}
     out = bench.targets(["pre_ln", "hc"], [8, 64], mem, {})
     assert "| hc | saved <= 1.35 at every L | 1.22 | PASS |" in out
