@@ -927,6 +927,24 @@ def test_moda_slot_grads_equal_the_sums(case, strided):
     acc.grads(0, cap)
     torch.testing.assert_close(into.double(), base + want, atol=1e-5, rtol=1e-5)
 
+def test_slot_grads_of_an_ask_own_their_buffer():
+    """Without an accumulator, each ask's slot gradients are a buffer of the ask's size (the allocator hands back the
+    previous pair's, still in cache; nothing bank-sized lives until the backward ends), and a later ask writes no
+    earlier one."""
+    B, H, Hkv, T, hd = 2, 4, 2, 9, 8
+    g = torch.Generator().manual_seed(5)
+    acc = native.SlotGrads((6, B, Hkv, T, hd))
+    for k in (6, 4, 2):
+        acc.add(torch.rand(k, B, H, T, generator=g), torch.randn(B, H, T, hd, generator=g))
+    first = acc.grads(4, 6)
+    kept = first.clone()
+    second, empty = acc.grads(2, 4), acc.grads(3, 3)
+    for G, n in ((first, 2), (second, 2), (empty, 0)):
+        assert G.shape == (n, B, Hkv, T, hd) and G.is_contiguous()
+        assert G.untyped_storage().nbytes() == G.numel() * 4  # not a view of a bank-sized buffer
+    assert torch.equal(first, kept)
+
+
 @pytest.mark.parametrize("design", ["attnres", "block_attnres"])
 @pytest.mark.parametrize("group", [1, 3])
 def test_model_bank_gradient_groups_equal_eager(design, group, monkeypatch):
