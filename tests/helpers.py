@@ -53,3 +53,15 @@ def run_without_hf_depth(folder, code: str):
     (hide / "hf_depth.py").write_text("raise ImportError('hf_depth must not be imported')\n")
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(hide), "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=folder, env=env, timeout=300)
+
+
+def count_native_calls(monkeypatch, ops) -> list:
+    """Wrap each ``hf_depth.native.<op>`` of ``ops`` so that a call appends the op's name to the returned list (the
+    op still runs): which native kernels a step really took."""
+    from hf_depth import native
+
+    calls = []
+    for op in ops:
+        real = getattr(native, op)
+        monkeypatch.setattr(native, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
+    return calls

@@ -6,7 +6,7 @@ stacked its sources / depth K/V and ran plain autograd.
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import count_native_calls, tiny_model
 from reference_designs import reference_paths
 
 import hf_depth
@@ -82,10 +82,7 @@ def test_native_kernels_equal_reference_at_a_training_shape(design, layers, kv_h
     x = torch.randint(2, 97, (B, T), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(x)
     mask[0, :5] = 0
-    calls = []
-    for op in NATIVE_OPS[design]:
-        real = getattr(native, op)
-        monkeypatch.setattr(native, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
+    calls = count_native_calls(monkeypatch, NATIVE_OPS[design])
     logits, grads = _logits_and_grads(model, x, mask)
     assert set(calls) == set(NATIVE_OPS[design]), sorted(set(calls))
     assert_equals_reference(model, x, mask, logits, grads)

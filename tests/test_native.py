@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import count_native_calls, tiny_model
 from test_moda_flash import _reference
 
 from hf_depth import native
@@ -396,10 +396,7 @@ def _model_kernels_equal_eager(model, x, ops, to_eager, monkeypatch):
     """The native ``ops`` run (counted) in a training step of ``model`` on ``x``; 2 threads and activation
     checkpointing change no bit of the logits or any parameter gradient; after ``to_eager()`` (the eager form) they
     agree at fp32 rounding (1e-6)."""
-    calls = []
-    for op in ops:
-        real = getattr(native, op)
-        monkeypatch.setattr(native, op, lambda *a, _op=op, _real=real: calls.append(_op) or _real(*a))
+    calls = count_native_calls(monkeypatch, ops)
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -926,6 +923,7 @@ def test_moda_slot_grads_equal_the_sums(case, strided):
         acc.add(w, x)
     acc.grads(0, cap)
     torch.testing.assert_close(into.double(), base + want, atol=1e-5, rtol=1e-5)
+
 
 def test_slot_grads_of_an_ask_own_their_buffer():
     """Without an accumulator, each ask's slot gradients are a buffer of the ask's size (the allocator hands back the
