@@ -95,6 +95,32 @@ def test_threads_split_the_work_without_changing_a_bit():
         assert torch.equal(a, b)
 
 
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in units in the last place between fp32 tensors of one sign (their bit patterns as integers)."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs()
+
+
+def test_the_kernels_exponential_is_expf_to_one_ulp():
+    """Every native softmax takes e^x from one vector exponential (``hfd_exp8``, eight lanes at a time): over the whole
+    range where e^x is a normal float, every 61st float, it is within 1 ulp of the correctly rounded value (what
+    glibc's expf gives to within a half ulp), whatever shift is subtracted first; -inf and anything below -88 give 0,
+    0 gives 1, NaN stays NaN, and the tail of a row (n not a multiple of 8) is computed as its head."""
+    top = torch.tensor([88.37], dtype=torch.float32).view(torch.int32).item()
+    mags = torch.arange(0, top, 61, dtype=torch.int32).view(torch.float32)  # every 61st float in [0, 88.37)
+    x = torch.cat([-mags[mags <= 87], mags])
+    exact = x.double().exp().float()  # correctly rounded but for double rounding, which is rarer than the 1 ulp allowed
+    assert _ulps(native.exp_shift(x), exact).max().item() <= 1
+    m = 3.25  # e^(x - m): the shift is subtracted in fp32, as the kernels do
+    assert _ulps(native.exp_shift(x[:4001], m), (x[:4001] - m).double().exp().float()).max().item() <= 1
+    edges = torch.tensor([float("-inf"), -88.5, -1e30, float("nan"), 0.0, -0.0, 1.0, -1.0, 88.0, -87.5, 2.0])
+    got = native.exp_shift(edges)
+    assert got[:3].eq(0).all() and got[3].isnan() and got[4] == got[5] == 1
+    assert (_ulps(got[6:], edges[6:].double().exp().float()) <= 1).all()
+    for n in (1, 7, 9, 15):  # the tail goes through a padded block
+        row = torch.linspace(-5, 5, 23)[:n]
+        assert torch.equal(native.exp_shift(row), native.exp_shift(torch.linspace(-5, 5, 23))[:n])
+
+
 @pytest.mark.parametrize("layers", [1, 2, 7])
 def test_model_native_equals_eager(layers, monkeypatch):
     """A MoDA model (GQA, left padding, one layer with its depth slots masked): logits and every parameter gradient

@@ -169,11 +169,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_agg_bwd.argtypes = [P, N, P, N, N, P, P, P, P, P, P, N, P, N, P, N, P, P, N, N, N]
     lib.hfd_moda_kv_write.argtypes = [P, P, P, P, P, P, P, N, N, N, N, N]
     lib.hfd_moda_kv_grad.argtypes = [P, P, P, P, P, P, P, P, N, N, N, N, N]
+    lib.hfd_exp_shift_rows.argtypes = [P, P, F, N]
     for fn in (lib.hfd_moda_depth_fwd, lib.hfd_moda_depth_bwd, lib.hfd_moda_slot_grads, lib.hfd_stream_mix,
                lib.hfd_stream_mix_bwd, lib.hfd_stream_write_bwd, lib.hfd_sinkhorn, lib.hfd_sinkhorn_bwd,
                lib.hfd_hc_route, lib.hfd_hc_gates, lib.hfd_hc_rebuild, lib.hfd_hc_route_bwd, lib.hfd_hc_route_bwd_sums,
                lib.hfd_stream_mix_write, lib.hfd_mhc_route, lib.hfd_mhc_route_bwd, lib.hfd_block_sums,
-               lib.hfd_agg_fwd, lib.hfd_agg_bwd, lib.hfd_slot_write, lib.hfd_moda_kv_write, lib.hfd_moda_kv_grad):
+               lib.hfd_agg_fwd, lib.hfd_agg_bwd, lib.hfd_slot_write, lib.hfd_moda_kv_write, lib.hfd_moda_kv_grad,
+               lib.hfd_exp_shift_rows):
         fn.restype = ctypes.c_int
     lib.hfd_moda_items.argtypes, lib.hfd_moda_grad_items.argtypes = [N, N, N], [N, N]
     lib.hfd_moda_items.restype = lib.hfd_moda_grad_items.restype = N
@@ -290,6 +292,17 @@ def _positions(cos, sin, B: int, T: int, hd: int):
         return False
     st = cos.stride()
     return cos, sin, (ctypes.c_int64 * 3)(0 if cos.shape[0] == 1 else st[0], st[1], 1)
+
+
+def exp_shift(x: torch.Tensor, m: float = 0.0) -> torch.Tensor:
+    """e^(x - m) for a 1-D fp32 CPU tensor, by the vector exponential every native softmax uses (``hfd_exp8`` in
+    ``common.h``): the tests hold it to expf's accuracy and its edges (0 below -88, NaN kept)."""
+    if not (x.dim() == 1 and x.dtype == torch.float32 and x.is_cpu):
+        raise ValueError(f"exp_shift: x must be a 1-D fp32 CPU tensor, got {list(x.shape)} {x.dtype} on {x.device}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _check(library().hfd_exp_shift_rows(_ptr(x), _ptr(y), m, x.numel()))
+    return y
 
 
 def moda_kv_supported(kv: torch.Tensor, kv_heads: int, cos=None, sin=None) -> bool:

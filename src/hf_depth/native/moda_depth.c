@@ -22,7 +22,8 @@
  * Within an item the slots are the outer loop, SB of them at a time, so each pass streams TC contiguous rows of
  * SB slots (runs of 32 KB at TC = 128, hd = 64: long runs are what a DRAM-bound pass needs). The backward reads V
  * first (dO . V_j), then K once: per SB slots their scores, p and dd, and their dq terms while the rows are in
- * cache. No FMA contraction (-std=c99): each product and sum rounds as in the eager form.
+ * cache. No FMA contraction (-std=c99): each product and sum rounds as in the eager form; the exponentials are
+ * hfd_exp8's, eight slots at a time (within 1 ulp of expf).
  */
 #include <math.h>
 #include <stdint.h>
@@ -81,9 +82,8 @@ static void slot_dots(float *restrict s, const float *xc, const float *Bk, const
             for (int64_t r = 0; r < rep; r++) {
                 const float *x = xc + (r * TC + ti) * hd;
                 float *sp = s + (r * TC + ti) * D + j0;
-                for (int64_t u = 0; u < jn; u++)
-                    sp[u] = (!live || live[j0 + u]) ? hfd_dot(x, Bk + (j0 + u) * sj + ti * st, hd) * scaling
-                                                    : -INFINITY;
+                hfd_dots(sp, x, Bk + j0 * sj + ti * st, sj, jn, hd);  /* hfd_dot's bits, four rows at a time */
+                for (int64_t u = 0; u < jn; u++) sp[u] = (!live || live[j0 + u]) ? sp[u] * scaling : -INFINITY;
             }
     }
 }
@@ -104,9 +104,9 @@ int hfd_moda_depth_fwd(const float *q, const int64_t *sq, const float *K, const 
                        const int64_t *sv, float *o, float *lse, const int64_t *sl, const uint8_t *live, int64_t D, int64_t B, int64_t H, int64_t Hkv,
                        int64_t T, int64_t hd, float scaling, int64_t item0, int64_t item1) {
     const int64_t rep = H / Hkv, n = rep * TC;
-    float *s = malloc(sizeof(float) * (size_t)(n * (D + 2 * hd)));
+    float *s = malloc(sizeof(float) * (size_t)(n * (D + 2 * hd) + D));
     if (!s) return 1;
-    float *qc = s + n * D, *oc = qc + n * hd;
+    float *qc = s + n * D, *oc = qc + n * hd, *e = oc + n * hd;
     (void)B;
     for (int64_t it = item0; it < item1; it++) {
         const item_t x = item(it, Hkv, T);
@@ -118,10 +118,11 @@ int hfd_moda_depth_fwd(const float *q, const int64_t *sq, const float *K, const 
                 float *sr = s + (r * TC + ti) * D, *lp = lse + x.b * sl[0] + (x.hk * rep + r) * sl[1] + (x.t0 + ti) * sl[2];
                 float mx = *lp;
                 for (int64_t j = 0; j < D; j++) mx = sr[j] > mx ? sr[j] : mx;
+                hfd_exp_shift(e, sr, mx, D);
                 float sum = expf(*lp - mx);
-                for (int64_t j = 0; j < D; j++) sum += expf(sr[j] - mx);
+                for (int64_t j = 0; j < D; j++) sum += e[j];
                 const float tot = mx + logf(sum), a = expf(*lp - tot);
-                for (int64_t j = 0; j < D; j++) sr[j] = expf(sr[j] - tot);
+                hfd_exp_shift(sr, sr, tot, D);
                 float *op = o + ((x.b * T + x.t0 + ti) * H + x.hk * rep + r) * hd;
                 for (int64_t i = 0; i < hd; i++) op[i] *= a;
                 *lp = tot;
@@ -166,9 +167,10 @@ int hfd_moda_depth_bwd(const float *q, const int64_t *sq, const float *dout, con
                     const float tot = lse[x.b * sl[0] + h * sl[1] + (x.t0 + ti) * sl[2]], rsum = rs[k];
                     float *pr = p + k * D, *dr = dd + k * D;
                     const int64_t out = (x.b * H + h) * T + x.t0 + ti, plane = B * H * T;  /* P, DD: [D, B, H, T] */
+                    hfd_exp_shift(pr + j0, pr + j0, tot, j1 - j0);
                     for (int64_t j = j0; j < j1; j++) {
                         const int on = !live || live[j];
-                        pr[j] = on ? expf(pr[j] - tot) : 0.0f;
+                        pr[j] = on ? pr[j] : 0.0f;
                         dr[j] = on ? pr[j] * (dr[j] - rsum) * scaling : 0.0f;
                         P[j * plane + out] = pr[j];
                         DD[j * plane + out] = dr[j];
@@ -275,6 +277,12 @@ int hfd_moda_slot_grads(int64_t ncons, const float *const *W, const int64_t *Dn,
     }
     free(acc);
     free(ms);
+    return 0;
+}
+
+/* y = e^(x - m) over n floats by the kernels' vector exponential (hfd_exp_shift): ``native.exp_shift``, its check */
+int hfd_exp_shift_rows(const float *x, float *y, float m, int64_t n) {
+    hfd_exp_shift(y, x, m, n);
     return 0;
 }
 

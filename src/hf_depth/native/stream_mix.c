@@ -41,11 +41,6 @@
 #define SM_MADD(a, b, c) ((a) + (b) * (c))
 #endif
 
-static inline hfd_v8 sm_splat(float x) {
-    const hfd_v8 v = {x, x, x, x, x, x, x, x};
-    return v;
-}
-
 /* a + b c per lane, rounded as SM_MADD: one fused multiply-add where the CPU has one */
 static inline hfd_v8 sm_vmadd(hfd_v8 a, hfd_v8 b, hfd_v8 c) {
 #if defined(__FMA__) && defined(__AVX__)
@@ -106,8 +101,8 @@ int hfd_stream_mix_bwd(const float *M, int64_t smt, int64_t smr, int64_t smc, co
         for (; k + 8 <= d; k += 8)
             for (int64_t s = 0; s < n; s++) {
                 const float *cs = c + s * r;
-                hfd_v8 o = sm_splat(cs[0]) * hfd_load8(g[0] + k);
-                for (int64_t u = 1; u < r; u++) o = sm_vmadd(o, sm_splat(cs[u]), hfd_load8(g[u] + k));
+                hfd_v8 o = hfd_splat(cs[0]) * hfd_load8(g[0] + k);
+                for (int64_t u = 1; u < r; u++) o = sm_vmadd(o, hfd_splat(cs[u]), hfd_load8(g[u] + k));
                 memcpy(dHt + s * d + k, &o, sizeof(o));
             }
         for (; k < d; k++)
@@ -302,49 +297,21 @@ int hfd_sinkhorn_bwd(const float *L, int64_t slt, int64_t sli, int64_t slj, cons
 #define HC_MAX_STREAMS 8
 #define HC_MAX_COLS (HC_MAX_STREAMS + 2)
 
-/* 8 int32 lanes: comparison masks and the bits of hfd_v8 lanes */
-typedef int32_t sm_i8 __attribute__((vector_size(32)));
-
-static inline sm_i8 sm_splat_i(int32_t x) {
-    return (sm_i8){0} + x; /* the scalar broadcast to every lane */
-}
-
-/* lanes of a where the mask is set, else of b */
-static inline hfd_v8 sm_select(sm_i8 mask, hfd_v8 a, hfd_v8 b) {
-    return (hfd_v8)((mask & (sm_i8)a) | (~mask & (sm_i8)b));
-}
-
-/* e^x per lane for x in [-88, 88] (Cephes expf: x = k ln 2 + f, |f| <= ln 2 / 2, a degree-6 polynomial, times 2^k) */
-static inline hfd_v8 sm_exp(hfd_v8 x) {
-    const hfd_v8 magic = sm_splat(12582912.0f); /* 1.5 2^23: adding it rounds to an integer */
-    const hfd_v8 k = (x * sm_splat(1.44269504088896341f) + magic) - magic;
-    const hfd_v8 f = (x - k * sm_splat(0.693359375f)) - k * sm_splat(-2.12194440e-4f);
-    hfd_v8 p = sm_splat(1.9875691500e-4f);
-    p = p * f + sm_splat(1.3981999507e-3f);
-    p = p * f + sm_splat(8.3334519073e-3f);
-    p = p * f + sm_splat(4.1665795894e-2f);
-    p = p * f + sm_splat(1.6666665459e-1f);
-    p = p * f + sm_splat(5.0000001201e-1f);
-    p = p * (f * f) + f + sm_splat(1.0f);
-    const sm_i8 e = (__builtin_convertvector(k, sm_i8) + 127) << 23;
-    return p * (hfd_v8)e;
-}
-
 /* tanh per lane to a few ulp (Cephes tanhf): an odd polynomial below 0.625, else 1 - 2 / (e^{2|x|} + 1); +-1 from
  * 9 on, and NaN stays NaN */
 static inline hfd_v8 sm_tanh(hfd_v8 x) {
-    const sm_i8 sign = (sm_i8)x & sm_splat_i(INT32_MIN);
-    const hfd_v8 ax = (hfd_v8)((sm_i8)x & ~sm_splat_i(INT32_MIN));
+    const hfd_i8 sign = (hfd_i8)x & hfd_splat_i(INT32_MIN);
+    const hfd_v8 ax = (hfd_v8)((hfd_i8)x & ~hfd_splat_i(INT32_MIN));
     const hfd_v8 z = x * x;
-    hfd_v8 p = sm_splat(-5.70498872745e-3f);
-    p = p * z + sm_splat(2.06390887954e-2f);
-    p = p * z + sm_splat(-5.37397155531e-2f);
-    p = p * z + sm_splat(1.33314422036e-1f);
-    p = p * z + sm_splat(-3.33332819422e-1f);
+    hfd_v8 p = hfd_splat(-5.70498872745e-3f);
+    p = p * z + hfd_splat(2.06390887954e-2f);
+    p = p * z + hfd_splat(-5.37397155531e-2f);
+    p = p * z + hfd_splat(1.33314422036e-1f);
+    p = p * z + hfd_splat(-3.33332819422e-1f);
     const hfd_v8 small = p * z * x + x;
-    const hfd_v8 big = sm_splat(1.0f) - sm_splat(2.0f) / (sm_exp(sm_select(ax < sm_splat(9.0f), ax + ax, sm_splat(18.0f))) + sm_splat(1.0f));
-    const hfd_v8 large = (hfd_v8)((sm_i8)sm_select(ax < sm_splat(9.0f), big, sm_splat(1.0f)) | sign);
-    return sm_select(ax < sm_splat(0.625f), small, sm_select(ax == ax, large, x));
+    const hfd_v8 big = hfd_splat(1.0f) - hfd_splat(2.0f) / (hfd_exp8(hfd_select(ax < hfd_splat(9.0f), ax + ax, hfd_splat(18.0f))) + hfd_splat(1.0f));
+    const hfd_v8 large = (hfd_v8)((hfd_i8)hfd_select(ax < hfd_splat(9.0f), big, hfd_splat(1.0f)) | sign);
+    return hfd_select(ax < hfd_splat(0.625f), small, hfd_select(ax == ax, large, x));
 }
 
 /* T = tanh(P) over count floats */
@@ -378,7 +345,7 @@ static inline void hc_gates(const float *P, const float *sa, const float *sb, fl
 static inline void hc_project(const float *restrict h, const float *restrict WT, int64_t c, int64_t d, float *ss,
                               float *dots) {
     hfd_v8 q = {0}, a[HC_MAX_COLS];
-    for (int64_t j = 0; j < c; j++) a[j] = sm_splat(0.0f);
+    for (int64_t j = 0; j < c; j++) a[j] = hfd_splat(0.0f);
     int64_t k = 0;
     for (; k + 8 <= d; k += 8) {
         const hfd_v8 v = hfd_load8(h + k);
@@ -534,16 +501,16 @@ HC_INLINE void hc_route_bwd_body(int64_t n, const float *H, int64_t sht, int64_t
             for (int64_t j = 0; j < c; j++) w[j] = hfd_load8(WT + j * d + k);
             for (int64_t s = 0; s < n; s++) {
                 const float *As = A + s * m, *dQs = dQ + s * c;
-                hfd_v8 o = sm_splat(As[1]) * gv[1]; /* the mixing's rows first, then the branch input's (the eager order) */
-                for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, sm_splat(As[i]), gv[i]);
-                o = sm_vmadd(o, sm_splat(As[0]), gv[0]);
-                for (int64_t j = 0; j < c; j++) o = sm_vmadd(o, sm_splat(dQs[j]), w[j]);
-                o = sm_vmadd(o, sm_splat(ks[s]), h[s]);
+                hfd_v8 o = hfd_splat(As[1]) * gv[1]; /* the mixing's rows first, then the branch input's (the eager order) */
+                for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, hfd_splat(As[i]), gv[i]);
+                o = sm_vmadd(o, hfd_splat(As[0]), gv[0]);
+                for (int64_t j = 0; j < c; j++) o = sm_vmadd(o, hfd_splat(dQs[j]), w[j]);
+                o = sm_vmadd(o, hfd_splat(ks[s]), h[s]);
                 memcpy(dHt + s * d + k, &o, sizeof(o));
             }
             for (int64_t j = 0; j < c; j++) {
                 hfd_v8 acc = hfd_load8(dWT + j * d + k);
-                for (int64_t s = 0; s < n; s++) acc = sm_vmadd(acc, sm_splat(dQ[s * c + j]), h[s]);
+                for (int64_t s = 0; s < n; s++) acc = sm_vmadd(acc, hfd_splat(dQ[s * c + j]), h[s]);
                 memcpy(dWT + j * d + k, &acc, sizeof(acc));
             }
         }
@@ -714,10 +681,10 @@ HC_INLINE void mhc_dH(int64_t n, float *dHt, const float *Mt, const float *const
         hfd_v8 gv[MHC_MAX_STREAMS + 1];
         for (int64_t i = 0; i < m; i++) gv[i] = hfd_load8(g[i] + c);
         for (int64_t s = 0; s < n; s++) {
-            hfd_v8 o = sm_splat(Mt[n + s]) * gv[1];
-            for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, sm_splat(Mt[i * n + s]), gv[i]);
-            o = sm_vmadd(o, sm_splat(Mt[s]), gv[0]);
-            o = sm_vmadd(o, sm_splat(k), hfd_load8(Ht + s * shs + c));
+            hfd_v8 o = hfd_splat(Mt[n + s]) * gv[1];
+            for (int64_t i = 2; i < m; i++) o = sm_vmadd(o, hfd_splat(Mt[i * n + s]), gv[i]);
+            o = sm_vmadd(o, hfd_splat(Mt[s]), gv[0]);
+            o = sm_vmadd(o, hfd_splat(k), hfd_load8(Ht + s * shs + c));
             memcpy(dHt + s * d + c, &o, sizeof(o));
         }
     }
