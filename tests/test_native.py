@@ -101,8 +101,9 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_kernels_exponential_is_expf_to_one_ulp():
-    """Every native softmax takes e^x from one vector exponential (``hfd_exp8``, eight lanes at a time): over the whole
-    range where e^x is a normal float, every 61st float, it is within 1 ulp of the correctly rounded value (what
+    """MoDA's native depth softmax takes e^x from a vector exponential (``hfd_exp_shift``, eight lanes at a time,
+    clamped so that a masked slot's -inf gives 0; its ``hfd_exp8`` is also the stream kernels' tanh's): from -87 to
+    88.37 (e^x normal and finite), every 61st float, it is within 1 ulp of the correctly rounded value (what
     glibc's expf gives to within a half ulp), whatever shift is subtracted first; -inf and anything below -88 give 0,
     0 gives 1, NaN stays NaN, and the tail of a row (n not a multiple of 8) is computed as its head."""
     top = torch.tensor([88.37], dtype=torch.float32).view(torch.int32).item()

@@ -295,8 +295,9 @@ def _positions(cos, sin, B: int, T: int, hd: int):
 
 
 def exp_shift(x: torch.Tensor, m: float = 0.0) -> torch.Tensor:
-    """e^(x - m) for a 1-D fp32 CPU tensor, by the vector exponential every native softmax uses (``hfd_exp8`` in
-    ``common.h``): the tests hold it to expf's accuracy and its edges (0 below -88, NaN kept)."""
+    """e^(x - m) for a 1-D fp32 CPU tensor, by the vector exponential of MoDA's native depth softmax
+    (``hfd_exp_shift`` in ``common.h``, whose ``hfd_exp8`` is also the stream kernels' tanh's): the tests hold it to
+    expf's accuracy and its edges (0 below -88 and for -inf, NaN kept)."""
     if not (x.dim() == 1 and x.dtype == torch.float32 and x.is_cpu):
         raise ValueError(f"exp_shift: x must be a 1-D fp32 CPU tensor, got {list(x.shape)} {x.dtype} on {x.device}")
     x = x.contiguous()

@@ -56,16 +56,13 @@ static inline hfd_v8 hfd_select(hfd_i8 mask, hfd_v8 a, hfd_v8 b) {
     return (hfd_v8)((mask & (hfd_i8)a) | (~mask & (hfd_i8)b));
 }
 
-/* e^x per lane (Cephes expf: x = k ln 2 + f, |f| <= ln 2 / 2, a degree-6 polynomial, times 2^k): within 1 ulp of
- * expf from -87 to 88.37; 0 below -87.68 (where e^x is subnormal; -inf included: x is first clamped to [-88, 89],
- * so 2^k never leaves the exponent's range), +inf above 88.37 (expf is finite up to 88.72: the callers' arguments
- * are at most 0 or within the range), NaN stays NaN */
+/* e^x per lane for x in [-88, 88.37] (Cephes expf: x = k ln 2 + f, |f| <= ln 2 / 2, a degree-6 polynomial, times 2^k):
+ * within 1 ulp of expf from -87 on, 0 below -87.68 (where e^x is subnormal); outside the range 2^k leaves the
+ * exponent's bits (callers clamp: hfd_exp_shift) */
 static inline hfd_v8 hfd_exp8(hfd_v8 x) {
-    const hfd_v8 xc = hfd_select(x > hfd_splat(89.0f), hfd_splat(89.0f),
-                                 hfd_select(x < hfd_splat(-88.0f), hfd_splat(-88.0f), x));
     const hfd_v8 magic = hfd_splat(12582912.0f); /* 1.5 2^23: adding it rounds to an integer */
-    const hfd_v8 k = (xc * hfd_splat(1.44269504088896341f) + magic) - magic;
-    const hfd_v8 f = (xc - k * hfd_splat(0.693359375f)) - k * hfd_splat(-2.12194440e-4f);
+    const hfd_v8 k = (x * hfd_splat(1.44269504088896341f) + magic) - magic;
+    const hfd_v8 f = (x - k * hfd_splat(0.693359375f)) - k * hfd_splat(-2.12194440e-4f);
     hfd_v8 p = hfd_splat(1.9875691500e-4f);
     p = p * f + hfd_splat(1.3981999507e-3f);
     p = p * f + hfd_splat(8.3334519073e-3f);
@@ -74,20 +71,28 @@ static inline hfd_v8 hfd_exp8(hfd_v8 x) {
     p = p * f + hfd_splat(5.0000001201e-1f);
     p = p * (f * f) + f + hfd_splat(1.0f);
     const hfd_i8 e = (__builtin_convertvector(k, hfd_i8) + 127) << 23;
-    return p * (hfd_v8)e;  /* k = -127 (x < -87.68): e = 0 */
+    return p * (hfd_v8)e;
 }
 
-/* y[j] = e^(x[j] - m) over n floats (hfd_exp8; y may be x) */
+/* e^(x - m) per lane for any x - m: clamped to [-88, 89] first, so -inf (a masked slot) and anything below -87.68
+ * give 0, anything above 88.37 +inf, and NaN stays NaN */
+static inline hfd_v8 hfd_exp8_any(hfd_v8 x, float m) {
+    const hfd_v8 z = x - hfd_splat(m);
+    return hfd_exp8(hfd_select(z > hfd_splat(89.0f), hfd_splat(89.0f),
+                               hfd_select(z < hfd_splat(-88.0f), hfd_splat(-88.0f), z)));
+}
+
+/* y[j] = e^(x[j] - m) over n floats (hfd_exp8_any, eight at a time; y may be x) */
 static inline void hfd_exp_shift(float *y, const float *x, float m, int64_t n) {
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const hfd_v8 v = hfd_exp8(hfd_load8(x + j) - hfd_splat(m));
+        const hfd_v8 v = hfd_exp8_any(hfd_load8(x + j), m);
         memcpy(y + j, &v, sizeof(v));
     }
     if (j < n) {
         float buf[8] = {0};
         memcpy(buf, x + j, sizeof(float) * (size_t)(n - j));
-        const hfd_v8 v = hfd_exp8(hfd_load8(buf) - hfd_splat(m));
+        const hfd_v8 v = hfd_exp8_any(hfd_load8(buf), m);
         memcpy(buf, &v, sizeof(v));
         memcpy(y + j, buf, sizeof(float) * (size_t)(n - j));
     }
