@@ -117,6 +117,8 @@ def test_the_kernels_exponential_is_expf_to_one_ulp():
     got = native.exp_shift(edges)
     assert got[:3].eq(0).all() and got[3].isnan() and got[4] == got[5] == 1
     assert (_ulps(got[6:], edges[6:].double().exp().float()) <= 1).all()
+    with pytest.raises(ValueError, match="1-D fp32 CPU"):
+        native.exp_shift(x[:8].double())
     for n in (1, 7, 9, 15):  # the tail goes through a padded block
         row = torch.linspace(-5, 5, 23)[:n]
         assert torch.equal(native.exp_shift(row), native.exp_shift(torch.linspace(-5, 5, 23))[:n])

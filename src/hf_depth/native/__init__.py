@@ -300,9 +300,12 @@ def exp_shift(x: torch.Tensor, m: float = 0.0) -> torch.Tensor:
     expf's accuracy and its edges (0 below -88 and for -inf, NaN kept)."""
     if not (x.dim() == 1 and x.dtype == torch.float32 and x.is_cpu):
         raise ValueError(f"exp_shift: x must be a 1-D fp32 CPU tensor, got {list(x.shape)} {x.dtype} on {x.device}")
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"exp_shift needs the native kernels, which are not in use: {status()['why']}")
     x = x.contiguous()
     y = torch.empty_like(x)
-    _check(library().hfd_exp_shift_rows(_ptr(x), _ptr(y), m, x.numel()))
+    _check(lib.hfd_exp_shift_rows(_ptr(x), _ptr(y), m, x.numel()))
     return y
 
 

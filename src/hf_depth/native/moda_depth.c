@@ -22,8 +22,8 @@
  * Within an item the slots are the outer loop, SB of them at a time, so each pass streams TC contiguous rows of
  * SB slots (runs of 32 KB at TC = 128, hd = 64: long runs are what a DRAM-bound pass needs). The backward reads V
  * first (dO . V_j), then K once: per SB slots their scores, p and dd, and their dq terms while the rows are in
- * cache. No FMA contraction (-std=c99): each product and sum rounds as in the eager form; the exponentials are
- * hfd_exp8's, eight slots at a time (within 1 ulp of expf).
+ * cache. No FMA contraction (-std=c99): each product and sum rounds as in the eager form; the slots' exponentials
+ * are hfd_exp_shift's, eight slots at a time (within 1 ulp of expf; a masked slot's -inf gives 0).
  */
 #include <math.h>
 #include <stdint.h>
