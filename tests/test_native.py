@@ -119,6 +119,10 @@ def test_the_kernels_exponential_is_expf_to_one_ulp():
     assert (_ulps(got[6:], edges[6:].double().exp().float()) <= 1).all()
     with pytest.raises(ValueError, match="1-D fp32 CPU"):
         native.exp_shift(x[:8].double())
+    with pytest.MonkeyPatch.context() as mp:  # switched off: said so, not an AttributeError on None
+        mp.setenv("HF_DEPTH_NATIVE", "0")
+        with pytest.raises(RuntimeError, match="exp_shift needs the native kernels.*HF_DEPTH_NATIVE=0"):
+            native.exp_shift(x[:8])
     for n in (1, 7, 9, 15):  # the tail goes through a padded block
         row = torch.linspace(-5, 5, 23)[:n]
         assert torch.equal(native.exp_shift(row), native.exp_shift(torch.linspace(-5, 5, 23))[:n])
